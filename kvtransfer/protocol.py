@@ -1,0 +1,198 @@
+"""The wire protocol between router, prefill and decode workers.
+
+Every message is a `msgspec.Struct` in one tagged union, encoded as msgpack in the first ZMQ
+frame; tensors (KV payloads) follow as raw frames described by a `TensorHeader`. Decoding is
+strict: an unknown tag, a missing or mistyped field, or another protocol version is refused.
+
+Channels:
+  worker DEALER --> router ROUTER (control):  Register, Heartbeat, TokenEvents, Goodbye
+  router --> worker (same socket):            PrefillRequest, GenerateRequest, Abort, RegisterAck
+  prefill --> decode (KV channel):            KVTransfer (+ tensor frames)
+  decode --> prefill (KV channel):            KVAck
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+Role = Literal["prefill", "decode", "colocated"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"):
+    version: int = PROTOCOL_VERSION
+
+
+class ModelFingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What must match for a KV cache built by one worker to be valid on another."""
+
+    model: str
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+
+
+class TensorHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Describes one raw tensor frame (or a shared-memory / CUDA IPC region)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    checksum: str  # hex digest over the raw bytes; algorithm named by the transport module
+
+
+# --- control channel: worker -> router -------------------------------------------------------
+
+
+class Register(_Msg, tag="register"):
+    worker_id: str
+    role: Role
+    kv_address: str  # where this worker's KV channel listens ("" when it has none)
+    health_address: str
+    fingerprint: ModelFingerprint
+    num_blocks: int
+    max_model_len: int
+    kv_transports: tuple[str, ...] = ("tcp",)
+    host_id: str = ""  # same host_id: shared memory / CUDA IPC are possible between the two
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    worker_id: str
+    free_blocks: int
+    total_blocks: int
+    queued_prefill_tokens: int
+    running: int
+    waiting: int
+    draining: bool = False
+
+
+class TokenEvent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """New tokens of one request since its last event; `finish_reason` set on the last one."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class TokenEvents(_Msg, tag="tokens"):
+    """One worker step's events, batched."""
+
+    worker_id: str
+    events: tuple[TokenEvent, ...]
+    # Prefill only: when the KV of these requests was handed to the transport (time.time()).
+    kv_sent_at: float | None = None
+
+
+class Goodbye(_Msg, tag="goodbye"):
+    worker_id: str
+
+
+# --- control channel: router -> worker -------------------------------------------------------
+
+
+class RegisterAck(_Msg, tag="register_ack"):
+    worker_id: str
+    accepted: bool
+    reason: str = ""
+
+
+class PrefillRequest(_Msg, tag="prefill"):
+    request_id: str
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    decode_worker_id: str
+    decode_kv_address: str
+    kv_transport: str = "tcp"
+    arrival_time: float = 0.0
+
+
+class GenerateRequest(_Msg, tag="generate"):
+    """Colocated mode: the worker prefills and decodes the request itself."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    arrival_time: float = 0.0
+
+
+class Abort(_Msg, tag="abort"):
+    request_ids: tuple[str, ...]
+
+
+# --- KV channel: prefill <-> decode ----------------------------------------------------------
+
+
+class KVTransfer(_Msg, tag="kv"):
+    """A prefilled request handed to a decode worker: its tokens so far and its KV blocks.
+
+    The KV payload is one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    covering the first `num_computed_tokens` tokens; `location` says where its bytes are.
+    """
+
+    request_id: str
+    prefill_worker_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    num_computed_tokens: int
+    fingerprint: ModelFingerprint
+    tensor: TensorHeader
+    transport: str  # "tcp" (next frame), "shm" or "cuda_ipc"
+    location: bytes = b""  # transport-specific: shm segment name and offset, CUDA IPC handle
+    arrival_time: float = 0.0
+
+
+class KVAck(_Msg, tag="kv_ack"):
+    request_id: str
+    ok: bool
+    reason: str = ""
+
+
+Message = (
+    Register
+    | Heartbeat
+    | TokenEvents
+    | Goodbye
+    | RegisterAck
+    | PrefillRequest
+    | GenerateRequest
+    | Abort
+    | KVTransfer
+    | KVAck
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message of this protocol version."""
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes | memoryview) -> Message:
+    """Decode one message strictly; raise ProtocolError for anything else (never unpickles)."""
+    try:
+        msg = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(str(exc)) from None
+    if msg.version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {msg.version} is not supported (this is {PROTOCOL_VERSION})")
+    return msg
