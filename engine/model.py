@@ -1,0 +1,183 @@
+"""A Llama-family decoder over packed variable-length steps (selective batching).
+
+Every non-attention op (embeddings, RMSNorm, projections, SwiGLU MLP) runs on all T tokens of a
+step concatenated; attention runs per sequence over its own paged KV through `kernels`.
+Shapes: T packed tokens, H hidden size, Hq/Hkv heads, D head size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention_metadata import AttentionMetadata
+from engine.config import ModelConfig
+from kernels import AttentionBackend
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the activation dtype, as the reference implementation does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies, with Llama-3 frequency scaling when the model asks for it."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = dict(config.rope_scaling or ())
+    if scaling.get("rope_type") == "llama3" or scaling.get("type") == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        smooth = ((old_len / wavelen) - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Hugging Face's rotate-half convention; cos/sin tables precomputed for every position."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, rope_inv_freq(config))  # [P, D/2]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.layer = layer
+        self.backend = backend
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.q_size, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_size, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+
+    def forward(self, x, positions, rotary: RotaryEmbedding, meta: AttentionMetadata, kv_cache):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        k_cache, v_cache = kv_cache[self.layer, 0], kv_cache[self.layer, 1]
+        self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        nd = meta.num_decode_tokens
+        if nd == t:
+            out = self.backend.decode_attention(q, k_cache, v_cache, meta.decode_seq_lens, meta.decode_block_tables, self.scale)
+        elif nd == 0:
+            out = self.backend.prefill_attention(
+                q, k, v, k_cache, v_cache, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, meta.prefill_block_tables, self.scale
+            )
+        else:
+            out = torch.empty_like(q)
+            out[:nd] = self.backend.decode_attention(q[:nd], k_cache, v_cache, meta.decode_seq_lens, meta.decode_block_tables, self.scale)
+            out[nd:] = self.backend.prefill_attention(
+                q[nd:], k[nd:], v[nd:], k_cache, v_cache,
+                meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, meta.prefill_block_tables, self.scale,
+            )
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer, backend)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, meta, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, max_positions)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow Hugging Face, so a state dict from either loader fits as is."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend, max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """input_ids/positions [T] -> final hidden states [T, H]; writes this step's K/V."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, self.model.rotary, meta, kv_cache)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> float32 logits [N, V]; only the rows that sample are passed here."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy a Hugging Face-named state dict in; raise ValueError naming missing/extra tensors."""
+        own = self.state_dict()
+        expected = {k for k in own if not (self.config.tie_word_embeddings and k == "lm_head.weight")}
+        missing = expected - state_dict.keys()
+        extra = state_dict.keys() - own.keys() - {"lm_head.weight"}
+        if missing or extra:
+            raise ValueError(f"weights do not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}")
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                    continue
+                if own[name].shape != tensor.shape:
+                    raise ValueError(f"{name}: expected shape {tuple(own[name].shape)}, file has {tuple(tensor.shape)}")
+                own[name].copy_(tensor)

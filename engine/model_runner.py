@@ -1,0 +1,100 @@
+"""Packs a scheduled step into flat tensors, runs the model once, samples.
+
+Packed order:  [ single-token sequences (decodes) | multi-token chunks (prefills) ]
+Per token:     input_ids, positions, slot_mapping (= block_ids[pos // S] * S + pos % S)
+Per sequence:  seq_lens (computed + new), block_tables, cu_seqlens_q (prefill part)
+Only the rows of sequences that finish their known tokens this step reach the LM head.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention_metadata import AttentionMetadata
+from engine.config import EngineConfig, ModelConfig
+from engine.model import LlamaForCausalLM
+from engine.request import Request
+from engine.sampler import Sampler, SampleResult
+from engine.scheduler import ScheduledRequest
+from kernels import get_backend
+
+log = logging.getLogger(__name__)
+
+
+def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * itemsize
+
+
+class ModelRunner:
+    """Owns the model weights and the KV cache tensor [L, 2, num_blocks, S, Hkv, D]."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, state_dict, max_model_len: int, num_blocks: int) -> None:
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.backend = get_backend(self.device, config.attention_backend)
+        self.model = LlamaForCausalLM(model_config, self.backend, max_positions=max_model_len)
+        self.model.load_weights(state_dict)
+        self.model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.model.rotary.to(dtype=torch.float32)  # keep rotary tables in float32
+        m = model_config
+        self.kv_cache = torch.zeros(
+            (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim), dtype=self.dtype, device=self.device
+        )
+        self.sampler = Sampler()
+
+    def execute(self, scheduled: list[ScheduledRequest]) -> tuple[list[Request], SampleResult | None]:
+        """Run one step; return the requests that sampled, in order, and their samples."""
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        cu = [0]
+        sample_rows: list[int] = []
+        samplers: list[Request] = []
+        for req, n in ordered:
+            start = req.num_computed_tokens
+            end = start + n
+            input_ids.extend(req.token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = req.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            seq_lens.append(end)
+            tables.append(blocks)
+            if n > 1:
+                cu.append(cu[-1] + n)
+            if end == req.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                samplers.append(req)
+        nd = len(decodes)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decode_tokens=nd,
+            decode_seq_lens=lens[:nd].to(dev),
+            decode_block_tables=table[:nd].to(dev),
+            prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            prefill_seq_lens=lens[nd:].to(dev),
+            prefill_block_tables=table[nd:].to(dev),
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+            self.kv_cache,
+        )
+        if not samplers:
+            return [], None
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        return samplers, self.sampler(logits, samplers)

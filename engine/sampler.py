@@ -1,0 +1,101 @@
+"""Turns one step's logits into next tokens, per request's SamplingParams.
+
+Order per row: penalties -> min_tokens masking -> (greedy argmax | temperature, top-k, top-p,
+min-p, then a draw). Seeded requests draw from their own generator, so the same seed gives the
+same output whatever else is in the batch. Logprobs are reported from the model's distribution
+after penalties, before temperature and truncation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None  # of each sampled token (None when no row asked)
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        """logits: float32 [B, V], row i belongs to requests[i]."""
+        logits = logits.float().cpu() if logits.device.type != "cpu" else logits.float()
+        self._apply_penalties(logits, requests)
+        self._mask_early_stop(logits, requests)
+        want_lp = any(r.sampling.logprobs is not None for r in requests)
+        logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
+
+        tokens = torch.empty(len(requests), dtype=torch.long)
+        greedy = [i for i, r in enumerate(requests) if r.sampling.greedy]
+        if greedy:
+            idx = torch.tensor(greedy)
+            tokens[idx] = logits[idx].argmax(dim=-1)
+        for i, req in enumerate(requests):
+            if not req.sampling.greedy:
+                tokens[i] = self._draw(logits[i], req)
+
+        token_list = tokens.tolist()
+        if logprobs is None:
+            return SampleResult(token_list, None, None)
+        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        tops: list[tuple[tuple[int, float], ...]] = []
+        for i, req in enumerate(requests):
+            k = req.sampling.logprobs or 0
+            if k:
+                vals, ids = logprobs[i].topk(k)
+                tops.append(tuple(zip(ids.tolist(), vals.tolist(), strict=True)))
+            else:
+                tops.append(())
+        return SampleResult(token_list, chosen, tops)
+
+    def _draw(self, row: torch.Tensor, req: Request) -> int:
+        p = req.sampling
+        row = row / p.temperature
+        if p.top_k > 0 and p.top_k < row.numel():
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            cum = sorted_p.cumsum(0)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            drop = (cum - sorted_p) >= p.top_p
+            sorted_p[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is an exact draw from p.
+        gen = req.generator or self.generator
+        noise = torch.empty_like(probs).exponential_(generator=gen)
+        return int((probs / noise).argmax())
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+        for i, req in enumerate(requests):
+            p = req.sampling
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(req.token_ids)), dtype=torch.long)
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if (p.frequency_penalty or p.presence_penalty) and req.num_output_tokens:
+                out = torch.tensor(req.output_token_ids, dtype=torch.long)
+                counts = torch.zeros(logits.shape[1]).scatter_add_(0, out, torch.ones(len(out)))
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+    @staticmethod
+    def _mask_early_stop(logits: torch.Tensor, requests: list[Request]) -> None:
+        for i, req in enumerate(requests):
+            p = req.sampling
+            if req.num_output_tokens < p.min_tokens:
+                stops = set(p.stop_token_ids) | set(req.eos_token_ids)
+                if stops:
+                    logits[i, list(stops)] = float("-inf")

@@ -1,0 +1,275 @@
+"""Iteration-level scheduling by token accounting.
+
+Each request knows how many of its tokens are computed; each step hands out a token budget
+(`max_num_batched_tokens`) across at most `max_num_seqs` running requests. Policies
+(engine/policies.py) differ only in how they spend the budget; the mechanics they share —
+admission with prefix-cache lookup, block growth with pre-emption, post-step bookkeeping — live
+here. `schedule()` then `update()` once per step; `abort()` at any time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from engine.block_hash import ROOT, hash_blocks
+from engine.block_pool import BlockPool
+from engine.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    waiting_served_ratio: float = 0.0
+    # Prefill role: a request stops after its first token and keeps its blocks for the hand-off.
+    prefill_only: bool = False
+
+
+class ScheduledRequest(NamedTuple):
+    request: Request
+    num_new_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan: which tokens of which requests to compute. Decodes are 1 token each."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Step:
+    """The step being built: budgets left and what is in it so far."""
+
+    def __init__(self, token_budget: int) -> None:
+        self.tokens_left = token_budget
+        self.out = SchedulerOutput()
+        self.ids: set[str] = set()
+
+    def add(self, req: Request, n: int) -> None:
+        self.out.scheduled.append(ScheduledRequest(req, n))
+        self.ids.add(req.request_id)
+        self.tokens_left -= n
+        if req.is_prefilling:
+            self.out.num_prefill_tokens += n
+        else:
+            self.out.num_decode_tokens += n
+
+    def remove(self, req: Request) -> None:
+        for i, s in enumerate(self.out.scheduled):
+            if s.request is req:
+                del self.out.scheduled[i]
+                self.tokens_left += s.num_new_tokens
+                if req.is_prefilling:
+                    self.out.num_prefill_tokens -= s.num_new_tokens
+                else:
+                    self.out.num_decode_tokens -= s.num_new_tokens
+                self.ids.discard(req.request_id)
+                return
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list (admission order) and every request's blocks."""
+
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, policy) -> None:
+        if not policy.chunks_prompts and config.max_num_batched_tokens < config.max_model_len:
+            raise ValueError(
+                f"policy {policy.name!r} admits whole prompts, so max_num_batched_tokens "
+                f"({config.max_num_batched_tokens}) must be at least max_model_len ({config.max_model_len})"
+            )
+        self.config = config
+        self.pool = pool
+        self.policy = policy
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # --- requests in and out ---------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish the requests as aborted and free all they hold; unknown ids are ignored."""
+        out = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status is RequestStatus.PREFILLED:
+                self.release_handoff(rid)
+                req.status = RequestStatus.FINISHED_ABORTED
+            elif not req.status.finished:
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+            out.append(req)
+        return out
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(r.num_uncomputed_tokens for r in self.waiting)
+
+    # --- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        step = Step(self.config.max_num_batched_tokens)
+        self.policy.schedule(self, step)
+        now = time.time()
+        for s in step.out.scheduled:
+            if s.request.timing.first_scheduled is None:
+                s.request.timing.first_scheduled = now
+        return step.out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int], now: float | None = None) -> list[Request]:
+        """Advance computed counts, commit full blocks to the prefix cache, append sampled tokens.
+
+        Returns the requests that finished in this step.
+        """
+        now = time.time() if now is None else now
+        finished = []
+        for req, n in out.scheduled:
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += n
+            self._commit_blocks(req)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.append_token(token, now)
+            status = req.check_stop(self.config.max_model_len)
+            if status is None and self.config.prefill_only:
+                status = RequestStatus.PREFILLED
+            if status is not None:
+                self._finish(req, status)
+                finished.append(req)
+        return finished
+
+    # --- mechanics the policies share ------------------------------------------------------
+    def schedule_running(self, step: Step, req: Request, n: int) -> bool:
+        """Put n more tokens of a running request in the step, pre-empting newer requests for blocks."""
+        need = self._blocks_needed(req, n)
+        while need > self.pool.num_available:
+            victim = self.running[-1]
+            self.preempt(victim, step)
+            if victim is req:
+                return False
+        if need:
+            req.block_ids.extend(self.pool.allocate(need))
+        step.add(req, n)
+        return True
+
+    def try_admit(self, step: Step, req: Request, n_max: int) -> int:
+        """Admit the waiting request at the head of the queue with up to n_max tokens; 0 if not."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return 0
+        hits: list[int] = []
+        if req.num_computed_tokens == 0 and not req.block_ids:
+            self._extend_hashes(req)
+            # Always leave at least one token to compute: its logits give the next token.
+            usable = (req.num_tokens - 1) // self.pool.block_size
+            hits = self.pool.lookup(req.block_hashes[:usable])
+        computed = len(hits) * self.pool.block_size if hits else req.num_computed_tokens
+        n = min(req.num_tokens - computed, n_max)
+        if n <= 0:
+            return 0
+        blocks_total = -(-(computed + n) // self.pool.block_size)
+        new = blocks_total - len(hits) - len(req.block_ids)
+        evictable_hits = sum(1 for b in hits if self.pool.ref_count[b] == 0)
+        if new > self.pool.num_available - evictable_hits:
+            return 0
+        if hits:
+            self.pool.touch(hits)
+            req.block_ids = list(hits)
+            req.num_computed_tokens = computed
+            req.num_committed_blocks = len(hits)
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = computed
+        if new > 0:
+            req.block_ids.extend(self.pool.allocate(new))
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        step.add(req, n)
+        return n
+
+    def preempt(self, req: Request, step: Step) -> None:
+        """Drop a running request's blocks and queue it first for recompute."""
+        step.remove(req)
+        self.running.remove(req)
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_committed_blocks = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        step.out.preempted.append(req)
+        if not self.running and self._blocks_needed(req, req.num_tokens) > self.pool.num_available:
+            # Alone and still too big for the whole cache: waiting would deadlock; end it visibly.
+            log.warning("request %s: KV cache too small to continue; finishing with 'length'", req.request_id)
+            self._finish(req, RequestStatus.FINISHED_LENGTH)
+            return
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        log.info("request %s pre-empted (recompute %d tokens)", req.request_id, req.num_tokens)
+
+    def _blocks_needed(self, req: Request, n: int) -> int:
+        return max(0, -(-(req.num_computed_tokens + n) // self.pool.block_size) - len(req.block_ids))
+
+    def _extend_hashes(self, req: Request) -> None:
+        parent = req.block_hashes[-1] if req.block_hashes else ROOT
+        req.block_hashes.extend(hash_blocks(req.token_ids, self.pool.block_size, len(req.block_hashes), parent))
+
+    def _commit_blocks(self, req: Request) -> None:
+        full = req.num_computed_tokens // self.pool.block_size
+        if full <= req.num_committed_blocks:
+            return
+        self._extend_hashes(req)
+        for i in range(req.num_committed_blocks, full):
+            self.pool.commit(req.block_ids[i], req.block_hashes[i])
+        req.num_committed_blocks = full
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        self.policy.on_finish(req)
+        held_for_handoff = status is RequestStatus.PREFILLED
+        if not held_for_handoff:
+            self.pool.free(req.block_ids)
+            req.block_ids = []
+            self.requests.pop(req.request_id, None)
+        req.status = status
+        req.timing.finished = time.time()
+
+    def release_handoff(self, request_id: str) -> None:
+        """Prefill role: the decode worker has the KV (or the lease expired); free the blocks."""
+        req = self.requests.pop(request_id, None)
+        if req is not None and req.block_ids:
+            self.pool.free(req.block_ids)
+            req.block_ids = []
+
+    def finish_prefilled(self, req: Request) -> None:
+        self._finish(req, RequestStatus.PREFILLED)
