@@ -26,7 +26,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     # Llama-3 style frequency scaling; None when the model has none.
-    rope_scaling: tuple[tuple[str, float], ...] | None = None
+    rope_scaling: tuple[tuple[str, float | int | str], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

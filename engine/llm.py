@@ -40,7 +40,7 @@ class GenerationOutput:
 
     @property
     def tbts(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
 
 
 class LLM:

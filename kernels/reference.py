@@ -69,13 +69,18 @@ class ReferenceBackend(AttentionBackend):
         group = hq // hkv
         max_len = int(seq_lens.max())
         num_blocks = (max_len + block_size - 1) // block_size
-        table = block_tables[:, :num_blocks].long()
+        # Table padding of shorter sequences may hold any value (-1, stale ids): clamp it to a
+        # real block; the positions it covers are masked below.
+        table = block_tables[:, :num_blocks].long().clamp(0, k_cache.shape[0] - 1)
         # [B, L, Hkv, D] -> [B, Hkv, L, D], L = num_blocks * block_size (padded past seq_len)
         k = k_cache[table].reshape(batch, -1, hkv, d).transpose(1, 2).to(q.dtype)
         v = v_cache[table].reshape(batch, -1, hkv, d).transpose(1, 2).to(q.dtype)
-        qg = q.view(batch, hkv, group, d)
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, Hkv, G, L]
         pad = torch.arange(k.shape[2], device=q.device).unsqueeze(0) >= seq_lens.unsqueeze(1)
+        # Slots past seq_len were never written (torch.empty: may be NaN/inf); a zero probability
+        # times NaN is still NaN, so zero the padded values too, not only their scores.
+        v = v.masked_fill(pad[:, None, :, None], 0)
+        qg = q.reshape(batch, hkv, group, d)
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, Hkv, G, L]
         scores.masked_fill_(pad[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         return torch.matmul(probs, v).reshape(batch, hq, d)

@@ -47,7 +47,7 @@ class TensorHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
-    checksum: str  # hex digest over the raw bytes; algorithm named by the transport module
+    checksum: str  # "<algorithm>:<hex digest>" over the raw bytes; see kvtransfer/tensors.py
 
 
 # --- control channel: worker -> router -------------------------------------------------------
@@ -63,6 +63,9 @@ class Register(_Msg, tag="register"):
     max_model_len: int
     kv_transports: tuple[str, ...] = ("tcp",)
     host_id: str = ""  # same host_id: shared memory / CUDA IPC are possible between the two
+    # Random per worker process (WorkerLink fills it): a Register with a new incarnation means
+    # the worker restarted and lost its requests; the same one is a harmless repeat.
+    incarnation: str = ""
 
 
 class Heartbeat(_Msg, tag="heartbeat"):
@@ -73,6 +76,10 @@ class Heartbeat(_Msg, tag="heartbeat"):
     running: int
     waiting: int
     draining: bool = False
+    # Cumulative since the worker started (the router turns them into Prometheus counters).
+    kv_bytes_sent: int = 0
+    kv_bytes_received: int = 0
+    kv_transfer_seconds: float = 0.0
 
 
 class TokenEvent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -86,6 +93,10 @@ class TokenEvent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # Index in the request's output of token_ids[0] (-1: unknown). The prefill worker's first
+    # token and the decode worker's tokens travel on different connections; this lets the
+    # router put them back in order.
+    position: int = -1
 
 
 class TokenEvents(_Msg, tag="tokens"):
@@ -154,6 +165,9 @@ class KVTransfer(_Msg, tag="kv"):
     transport: str  # "tcp" (next frame), "shm" or "cuda_ipc"
     location: bytes = b""  # transport-specific: shm segment name and offset, CUDA IPC handle
     arrival_time: float = 0.0
+    # time.time() on the sender's host after which it may reuse a shm / CUDA IPC region (0: the
+    # payload travelled inline). Meaningful only on the same host, which is where those run.
+    lease_deadline: float = 0.0
 
 
 class KVAck(_Msg, tag="kv_ack"):

@@ -1,0 +1,195 @@
+"""KV through POSIX shared memory (same host, CPU): only the header crosses the zmq socket.
+
+Sender: owns a pool of segments (`/dev/shm/pdserve-kv-<pid>-<token>-<n>`). A transfer takes the
+smallest free segment that fits (or creates one of the next power-of-two size, at least 1 MiB,
+while the pool stays under `max_pool_bytes`; idle segments are unlinked to make room), copies the
+payload in, and names it in `location`. The segment returns to the pool on the ack or at lease
+expiry; `close()` unlinks every segment. A crashed sender's segments are unlinked by Python's
+resource tracker.
+
+Receiver: maps segments by name (an LRU of mappings, never registered with the resource
+tracker: the sender owns the names) and hands out zero-copy views. Only names with the pool's
+prefix are opened, and offset + size must lie inside the segment.
+"""
+
+from __future__ import annotations
+
+# The stdlib's own shm_open: attaching with SharedMemory(name=...) would register the segment
+# with this process's resource tracker, which would then unlink the sender's segment at exit.
+import _posixshmem
+import contextlib
+import mmap
+import os
+import re
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+
+import msgspec
+import torch
+
+from kvtransfer.kv_payload import with_header
+from kvtransfer.protocol import KVTransfer
+from kvtransfer.tensors import as_bytes, describe, tensor_from_buffer
+from kvtransfer.transport.base import TransportError
+from kvtransfer.transport.tcp import ZmqKVReceiver, ZmqKVSender
+
+SEGMENT_PREFIX = "pdserve-kv-"
+_NAME_RE = re.compile(r"^pdserve-kv-[A-Za-z0-9_-]{1,64}$")
+_MIN_SEGMENT = 1 << 20
+
+
+class ShmLocation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where a payload lies: `nbytes` bytes at `offset` in segment `name`."""
+
+    name: str
+    offset: int
+    nbytes: int
+
+
+_location_decoder = msgspec.msgpack.Decoder(ShmLocation)
+
+
+@dataclass(slots=True, eq=False)
+class _Segment:
+    shm: shared_memory.SharedMemory
+    busy: bool = False
+
+
+class ShmPool:
+    """Reusable shared-memory segments owned by one sender (I/O thread only)."""
+
+    def __init__(self, max_pool_bytes: int) -> None:
+        self.max_pool_bytes = max_pool_bytes
+        self._stem = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-"
+        self._count = 0
+        self._segments: list[_Segment] = []
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.shm.size for s in self._segments)
+
+    def acquire(self, nbytes: int) -> _Segment:
+        free = [s for s in self._segments if not s.busy and s.shm.size >= nbytes]
+        if free:
+            seg = min(free, key=lambda s: s.shm.size)
+        else:
+            size = max(_MIN_SEGMENT, 1 << max(0, nbytes - 1).bit_length())
+            for idle in sorted(
+                (s for s in self._segments if not s.busy), key=lambda s: -s.shm.size
+            ):
+                if self.total_bytes + size <= self.max_pool_bytes:
+                    break
+                self._unlink(idle)
+            if self.total_bytes + size > self.max_pool_bytes:
+                raise TransportError(
+                    f"shm pool full: {self.total_bytes} bytes in flight, a {nbytes}-byte payload "
+                    f"would pass max_pool_bytes={self.max_pool_bytes}"
+                )
+            self._count += 1
+            seg = _Segment(
+                shared_memory.SharedMemory(self._stem + str(self._count), create=True, size=size)
+            )
+            self._segments.append(seg)
+        seg.busy = True
+        return seg
+
+    def release(self, seg: _Segment) -> None:
+        seg.busy = False
+
+    def close(self) -> None:
+        for seg in list(self._segments):
+            self._unlink(seg)
+
+    def _unlink(self, seg: _Segment) -> None:
+        self._segments.remove(seg)
+        with contextlib.suppress(BufferError):  # a view is still alive; the mapping dies with it
+            seg.shm.close()
+        seg.shm.unlink()
+
+
+class ShmKVSender(ZmqKVSender):
+    """Writes each payload into a pooled shm segment; the zmq message names the segment."""
+
+    kind = "shm"
+    leases_region = True
+
+    def __init__(
+        self, *, lease_s: float = 5.0, max_pool_bytes: int = 4 << 30, name: str = "kv-sender-shm"
+    ) -> None:
+        self._pool = ShmPool(max_pool_bytes)
+        super().__init__(lease_s=lease_s, name=name)
+
+    def _stage(self, meta: KVTransfer, payload: torch.Tensor) -> tuple[KVTransfer, list, object]:
+        src = payload.detach()
+        src = (src if src.device.type == "cpu" else src.cpu()).contiguous()
+        header = describe(src)
+        seg = self._pool.acquire(header.nbytes)
+        if header.nbytes:
+            dst = torch.frombuffer(seg.shm.buf, dtype=torch.uint8, count=header.nbytes)
+            dst.copy_(as_bytes(src))
+            del dst  # release the export so the segment can be closed later
+        location = msgspec.msgpack.encode(ShmLocation(seg.shm.name, 0, header.nbytes))
+        return with_header(meta, tensor=header, location=location), [], seg
+
+    def _unstage(self, hold: object) -> None:
+        self._pool.release(hold)  # type: ignore[arg-type]
+
+    def _close_resources(self) -> None:
+        self._pool.close()
+
+
+class ShmKVReceiver(ZmqKVReceiver):
+    """Maps the sender's segments (cached) and hands out views into them."""
+
+    kind = "shm"
+
+    def __init__(self, address: str, *, max_mappings: int = 64, **kwargs: object) -> None:
+        self._mappings: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._max_mappings = max_mappings
+        super().__init__(address, **kwargs)  # type: ignore[arg-type]
+
+    def _open(self, meta: KVTransfer, frames: list) -> tuple[torch.Tensor, object]:
+        if frames:
+            raise TransportError(f"a shm KV transfer carries no payload frame, got {len(frames)}")
+        try:
+            loc = _location_decoder.decode(meta.location)
+        except msgspec.MsgspecError as exc:
+            raise TransportError(f"the shm location is not valid: {exc}") from None
+        if not _NAME_RE.match(loc.name):
+            raise TransportError(f"shm segment name {loc.name[:80]!r} is not one of pdserve's")
+        if loc.nbytes != meta.tensor.nbytes or loc.offset < 0:
+            raise TransportError(
+                f"shm location {loc} does not match the header's {meta.tensor.nbytes} bytes"
+            )
+        mm = self._mapping(loc.name)
+        if loc.offset + loc.nbytes > len(mm):
+            raise TransportError(f"shm location {loc} lies outside the {len(mm)}-byte segment")
+        view = memoryview(mm)[loc.offset : loc.offset + loc.nbytes]
+        return tensor_from_buffer(meta.tensor, view), None
+
+    def _mapping(self, name: str) -> mmap.mmap:
+        mm = self._mappings.get(name)
+        if mm is not None:
+            self._mappings.move_to_end(name)
+            return mm
+        try:
+            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+        except OSError as exc:
+            raise TransportError(f"cannot open shm segment {name}: {exc}") from None
+        try:
+            mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        self._mappings[name] = mm
+        if len(self._mappings) > self._max_mappings:
+            # Dropped, not closed: views still alive keep the mapping until they die.
+            self._mappings.popitem(last=False)
+        return mm
+
+    def _close_resources(self) -> None:
+        for mm in self._mappings.values():
+            with contextlib.suppress(BufferError):  # a view handed out still lives: it keeps it
+                mm.close()
+        self._mappings.clear()

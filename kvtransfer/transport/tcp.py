@@ -1,0 +1,403 @@
+"""KV over ZeroMQ: the channel every transport shares, and the TCP transport itself.
+
+    prefill  DEALER (one per decode address) ──[KVTransfer msgpack][payload frame?]──► ROUTER  decode
+             DEALER ◄────────────────────────────[KVAck msgpack]───────────────────── ROUTER
+
+TCP sends the payload as one raw frame after the header (zero-copy on both ends: `copy=False,
+track=True` on send, a view over the received zmq Frame on receipt). The shm and CUDA IPC
+transports subclass these classes and send no payload frame: `location` names the bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import zmq
+
+from kvtransfer.kv_payload import fingerprint_mismatch, payload_shape_mismatch, with_header
+from kvtransfer.protocol import KVAck, KVTransfer, ModelFingerprint, ProtocolError, decode, encode
+from kvtransfer.tensors import (
+    TensorFrameError,
+    as_bytes,
+    describe,
+    tensor_from_buffer,
+    verify_reason,
+)
+from kvtransfer.transport.base import (
+    IOLoop,
+    KVReceiver,
+    KVSender,
+    ReceivedKV,
+    TransportError,
+    drain,
+)
+
+log = logging.getLogger(__name__)
+
+_SCHEMES = ("tcp://", "ipc://")
+_BATCH = 64  # messages read per wake-up before other sockets get a turn
+_MAX_PENDING_PEERS = 65536  # unacked request ids remembered for their ack's return address
+
+
+def check_address(address: str) -> None:
+    if not address.startswith(_SCHEMES):
+        raise ValueError(f"KV address must start with one of {_SCHEMES}, got {address!r}")
+
+
+@dataclass(slots=True)
+class _InFlight:
+    address: str
+    deadline: float  # time.monotonic()
+    tracker: zmq.MessageTracker
+    hold: object  # kept alive until the ack / lease expiry: tensor, shm segment, CUDA staging
+
+
+class ZmqKVSender(KVSender):
+    """Sends KV to any number of decode workers (one DEALER each, made on first use)."""
+
+    kind = "tcp"
+    leases_region = False  # True where the receiver reads the sender's memory until the ack
+
+    def __init__(self, *, lease_s: float = 5.0, name: str = "kv-sender") -> None:
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s}")
+        self.lease_s = lease_s
+        self._acks: queue.Queue[KVAck] = queue.Queue()
+        self._inflight: dict[str, _InFlight] = {}
+        self._draining: list[_InFlight] = []  # done with, but zmq may still read their frames
+        self._sockets: dict[str, zmq.Socket] = {}
+        self._loop = IOLoop(name, tick=self._tick)
+
+    # --- engine thread -------------------------------------------------------------------
+
+    def send(self, address: str, meta: KVTransfer, payload: torch.Tensor) -> None:
+        check_address(address)
+        ready = None
+        if payload.is_cuda:  # the I/O thread must not read it before the engine's stream wrote it
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(payload.device))
+        self._loop.call_soon(lambda: self._send_now(address, meta, payload, ready))
+
+    def poll_acks(self, timeout: float = 0.0) -> list[KVAck]:
+        return drain(self._acks, timeout)
+
+    def stats(self) -> dict[str, int]:
+        return {**self._loop.counters, "in_flight": len(self._inflight)}
+
+    def close(self) -> None:
+        self._loop.stop(finalize=self._finalize)
+
+    # --- transport hooks (I/O thread) ---------------------------------------------------
+
+    def _stage(self, meta: KVTransfer, payload: torch.Tensor) -> tuple[KVTransfer, list, object]:
+        """Return the meta to send, the raw frames after it, and what to hold until done."""
+        t = payload.detach()
+        t = (t if t.device.type == "cpu" else t.cpu()).contiguous()
+        meta = with_header(meta, tensor=describe(t))
+        return meta, [as_bytes(t).numpy().data], t
+
+    def _unstage(self, hold: object) -> None:
+        """The receiver is done with `hold` (acked, or its lease expired)."""
+
+    def _close_resources(self) -> None:
+        """Free transport resources at close (after every in-flight hold was unstaged)."""
+
+    # --- I/O thread ---------------------------------------------------------------------
+
+    def _send_now(
+        self, address: str, meta: KVTransfer, payload: torch.Tensor, ready: object
+    ) -> None:
+        rid = meta.request_id
+        if rid in self._inflight:
+            self._fail(rid, "a KV transfer of this request is already in flight")
+            return
+        try:
+            if ready is not None:
+                ready.synchronize()  # type: ignore[attr-defined]
+            meta, frames, hold = self._stage(meta, payload)
+        except Exception as exc:  # any failure must still end in exactly one ack
+            expected = isinstance(exc, TransportError | TensorFrameError)
+            log.warning("request %s: cannot stage KV payload: %s", rid, exc, exc_info=not expected)
+            self._fail(rid, f"cannot stage KV payload: {exc}")
+            return
+        lease_deadline = time.time() + self.lease_s if self.leases_region else 0.0
+        meta = with_header(meta, transport=self.kind, lease_deadline=lease_deadline)
+        try:
+            tracker = self._socket(address).send_multipart(
+                [encode(meta), *frames], flags=zmq.NOBLOCK, copy=False, track=True
+            )
+        except zmq.ZMQError as exc:  # zmq.Again: the queue to that peer is full
+            self._unstage(hold)
+            self._fail(rid, f"cannot queue KV for {address}: {exc}")
+            return
+        assert tracker is not None  # track=True always returns one
+        self._inflight[rid] = _InFlight(address, time.monotonic() + self.lease_s, tracker, hold)
+        self._loop.counters["sent"] += 1
+        self._loop.counters["bytes_sent"] += meta.tensor.nbytes
+
+    def _socket(self, address: str) -> zmq.Socket:
+        sock = self._sockets.get(address)
+        if sock is None:
+            sock = self._loop.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self._sockets[address] = sock
+            self._loop.add_socket(sock, functools.partial(self._on_acks, address))
+        return sock
+
+    def _on_acks(self, address: str, sock: zmq.Socket) -> None:
+        for _ in range(_BATCH):
+            try:
+                parts = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                if len(parts) != 1:
+                    raise ProtocolError(f"an ack is one frame, got {len(parts)}")
+                msg = decode(parts[0].buffer)
+                if not isinstance(msg, KVAck):
+                    raise ProtocolError(f"unexpected {type(msg).__name__} on the KV channel")
+            except ProtocolError as exc:
+                self._loop.counters["dropped"] += 1
+                log.warning("KV sender: dropped a message from %s: %s", address, exc)
+                continue
+            f = self._inflight.get(msg.request_id)
+            if f is None or f.address != address:
+                self._loop.counters["unexpected_acks"] += 1
+                log.warning(
+                    "request %s: ack from %s matches no transfer in flight (late?)",
+                    msg.request_id,
+                    address,
+                )
+                continue
+            del self._inflight[msg.request_id]
+            self._done(f)
+            self._loop.counters["acked" if msg.ok else "nacked"] += 1
+            self._acks.put(msg)
+
+    def _tick(self, now: float) -> float | None:
+        for rid, f in list(self._inflight.items()):
+            if f.deadline <= now:
+                del self._inflight[rid]
+                if not f.tracker.done:  # never left this process: drop the peer's queue
+                    self._reset_socket(f.address)
+                self._done(f)
+                self._loop.counters["lease_expired"] += 1
+                self._fail(rid, f"no KV ack from {f.address} within {self.lease_s}s")
+        still = []
+        for f in self._draining:
+            if f.tracker.done:
+                self._unstage(f.hold)
+            else:
+                still.append(f)
+        self._draining = still
+        waits = [f.deadline - now for f in self._inflight.values()]
+        if self._draining:
+            waits.append(0.01)
+        return min(waits) if waits else None
+
+    def _done(self, f: _InFlight) -> None:
+        if f.tracker.done:
+            self._unstage(f.hold)
+        else:
+            self._draining.append(f)
+
+    def _reset_socket(self, address: str) -> None:
+        sock = self._sockets.pop(address, None)
+        if sock is not None:
+            self._loop.remove_socket(sock)
+
+    def _fail(self, rid: str, reason: str) -> None:
+        self._loop.counters["failed"] += 1
+        log.warning("request %s: KV transfer failed: %s", rid, reason)
+        self._acks.put(KVAck(request_id=rid, ok=False, reason=reason))
+
+    def _finalize(self) -> None:
+        for f in [*self._inflight.values(), *self._draining]:
+            self._unstage(f.hold)
+        self._inflight.clear()
+        self._draining.clear()
+        for sock in self._sockets.values():
+            self._loop.remove_socket(sock)
+        self._sockets.clear()
+        self._close_resources()
+
+
+class ZmqKVReceiver(KVReceiver):
+    """Binds `address`; verifies each transfer in its I/O thread before `poll` hands it out.
+
+    Undecodable messages (not msgpack, pickle, wrong version or tag, not a KVTransfer) are
+    dropped and counted. A KVTransfer whose payload does not check out (frames, shape,
+    fingerprint, checksum) is handed out with ok=False so the engine can NACK it at once.
+    """
+
+    kind = "tcp"
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        fingerprint: ModelFingerprint | None = None,
+        max_message_bytes: int = 1 << 32,
+        name: str = "kv-receiver",
+    ) -> None:
+        check_address(address)
+        self.fingerprint = fingerprint
+        self._max_message_bytes = max_message_bytes
+        self._ready: queue.Queue[ReceivedKV] = queue.Queue()
+        self._peers: OrderedDict[str, bytes] = OrderedDict()  # I/O thread only
+        self._held: dict[str, ReceivedKV] = {}
+        self._held_lock = threading.Lock()
+        self._unknown_acks = 0  # engine thread only
+        self._loop = IOLoop(name)
+        try:
+            self.address: str = self._loop.call(lambda: self._bind(address))  # type: ignore[assignment]
+        except BaseException:
+            self._loop.stop()
+            raise
+
+    # --- engine thread -------------------------------------------------------------------
+
+    def poll(self, timeout: float = 0.0) -> list[ReceivedKV]:
+        return drain(self._ready, timeout)
+
+    def ack(self, request_id: str, ok: bool, reason: str = "") -> None:
+        with self._held_lock:
+            rkv = self._held.pop(request_id, None)
+        if rkv is None:  # never delivered, or acked twice: nobody to answer
+            self._unknown_acks += 1
+            log.warning("request %s: ack for a KV transfer this receiver does not hold", request_id)
+            return
+        rkv.release()
+        self._loop.call_soon(
+            lambda: self._send_ack(KVAck(request_id=request_id, ok=ok, reason=reason))
+        )
+
+    def stats(self) -> dict[str, int]:
+        stats = dict(self._loop.counters)
+        if self._unknown_acks:
+            stats["unknown_acks"] = self._unknown_acks
+        return stats
+
+    def close(self) -> None:
+        with self._held_lock:
+            held, self._held = list(self._held.values()), {}
+        for rkv in held:
+            rkv.release()
+        self._loop.stop(finalize=self._close_resources)
+
+    # --- transport hooks (I/O thread) ---------------------------------------------------
+
+    def _open(self, meta: KVTransfer, frames: list) -> tuple[torch.Tensor, object]:
+        """A view of the payload and a release callback (or None); raise on a mismatch."""
+        if len(frames) != 1:
+            raise TransportError(f"a tcp KV transfer carries 1 payload frame, got {len(frames)}")
+        return tensor_from_buffer(meta.tensor, frames[0].buffer), None
+
+    def _close_resources(self) -> None:
+        """Free transport resources at close."""
+
+    # --- I/O thread ---------------------------------------------------------------------
+
+    def _bind(self, address: str) -> str:
+        sock = self._loop.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an ack to a vanished sender raises, not hangs
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+        if address.startswith("tcp://") and address.endswith(":0"):
+            address = address[:-2] + ":*"  # zmq's spelling of "any free port"
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise TransportError(f"cannot bind the KV receiver to {address}: {exc}") from None
+        self._sock = sock
+        self._loop.add_socket(sock, self._on_messages)
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _on_messages(self, sock: zmq.Socket) -> None:
+        for _ in range(_BATCH):
+            try:
+                parts = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._loop._guarded(self._handle, parts)
+
+    def _drop(self, reason: str) -> None:
+        self._loop.counters["dropped"] += 1
+        log.warning("KV receiver %s dropped a message: %s", self.address, reason)
+
+    def _handle(self, parts: list) -> None:
+        identity, body = parts[0].bytes, parts[1:]
+        if not body:
+            return self._drop("empty message")
+        try:
+            msg = decode(body[0].buffer)
+        except ProtocolError as exc:
+            return self._drop(f"undecodable header: {exc}")
+        if not isinstance(msg, KVTransfer):
+            return self._drop(f"unexpected {type(msg).__name__} on the KV channel")
+        rid = msg.request_id
+        if rid in self._peers:
+            return self._drop(f"request {rid}: a second transfer before the first was acked")
+        self._peers[rid] = identity
+        if len(self._peers) > _MAX_PENDING_PEERS:
+            stale, _ = self._peers.popitem(last=False)
+            log.warning("request %s: never acked; forgetting its sender", stale)
+
+        payload, release, reason = None, None, self._check(msg)
+        if reason is None:
+            try:
+                payload, release = self._open(msg, body[1:])
+                reason = verify_reason(msg.tensor, payload)
+            except (TensorFrameError, TransportError, msgspec.MsgspecError) as exc:
+                reason = str(exc)
+        ok = reason is None
+        if ok:
+            self._loop.counters["received"] += 1
+            self._loop.counters["bytes_received"] += msg.tensor.nbytes
+        else:
+            self._loop.counters["rejected"] += 1
+            log.warning("request %s: KV refused: %s", rid, reason)
+        rkv = ReceivedKV(msg, payload if ok else None, ok, reason or "", release)  # type: ignore[arg-type]
+        if not ok:
+            rkv.release()
+        with self._held_lock:
+            self._held[rid] = rkv
+        self._ready.put(rkv)
+
+    def _check(self, msg: KVTransfer) -> str | None:
+        if msg.transport != self.kind:
+            return f"transfer uses transport {msg.transport!r}, this receiver is {self.kind!r}"
+        if self.fingerprint is not None and (
+            why := fingerprint_mismatch(self.fingerprint, msg.fingerprint)
+        ):
+            return why
+        return payload_shape_mismatch(msg)
+
+    def _send_ack(self, ack: KVAck) -> None:
+        identity = self._peers.pop(ack.request_id, None)
+        if identity is None:  # forgotten by the _MAX_PENDING_PEERS bound
+            self._loop.counters["ack_failures"] += 1
+            log.warning(
+                "request %s: the sender of this transfer is no longer known", ack.request_id
+            )
+            return
+        try:
+            self._sock.send_multipart([identity, encode(ack)], flags=zmq.NOBLOCK)
+            self._loop.counters["acks_sent"] += 1
+        except zmq.ZMQError as exc:  # the sender is gone (ROUTER_MANDATORY) or not reading
+            self._loop.counters["ack_failures"] += 1
+            log.warning("request %s: cannot send ack: %s", ack.request_id, exc)
+
+
+TcpKVSender = ZmqKVSender
+TcpKVReceiver = ZmqKVReceiver

@@ -1,0 +1,117 @@
+"""`bench run | sweep | compare` end to end against mock servers, and the CLI's option rules."""
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.cli import build_parser, main, plan_from_args
+from bench.mock_server import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+MOCK = f"{shlex.quote(sys.executable)} -m bench.mock_server --port {{port}}"
+FAST = ["--num-requests", "6", "--input-len", "8", "--output-len", "4", "--range-ratio", "0",
+        "--warmup", "1", "--no-progress"]
+
+
+def test_run_writes_summary_requests_and_plots(tmp_path, capsys):
+    with launch("--ttft-ms", "20", "--tbt-ms", "5") as url:
+        code = main(["run", "--base-url", url, "--request-rate", "50", "--slo", "ttft=500ms,tbt_p99=100ms",
+                     "--output-dir", str(tmp_path), "--endpoint", "completions", *FAST])
+    assert code == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["completed"] == 6 and summary["failed"] == 0 and summary["num_warmup"] == 1
+    assert summary["model"] == "mock-model" and summary["endpoint"] == "/v1/completions"
+    assert summary["slo_attainment"] == 1.0
+    assert summary["goodput"] == pytest.approx(summary["request_throughput"])
+    lines = (tmp_path / "requests.jsonl").read_text().splitlines()
+    assert len(lines) == 7 and "chunk_times" in json.loads(lines[0])
+    for png in ("ttft_cdf.png", "tbt_cdf.png", "tbt_timeline.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+def test_sweep_reports_the_highest_rate_meeting_the_slo(tmp_path):
+    # One request at a time, ~35 ms each: 5 req/s keeps up, 200 req/s queues far past the SLO.
+    with launch("--ttft-ms", "20", "--tbt-ms", "5", "--max-concurrency", "1") as url:
+        code = main(["sweep", "--base-url", url, "--rates", "5,200", "--slo", "ttft=100ms",
+                     "--arrival", "constant", "--output-dir", str(tmp_path), "--no-plots", *FAST])
+    assert code == 0
+    result = json.loads((tmp_path / "sweep.json").read_text())
+    attainment = {p["request_rate"]: p["slo_attainment"] for p in result["points"]}
+    assert attainment[5.0] == 1.0 and attainment[200.0] < 0.9
+    assert result["max_rate_meeting_slo"] == 5.0
+    assert (tmp_path / "rate_5" / "summary.json").exists()
+
+
+def test_compare_runs_each_deployment_and_writes_table_json_and_plots(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the deployments run `python -m bench.mock_server`
+    code = main(["compare", "--deployment", f"fast={MOCK} --ttft-ms 20 --tbt-ms 5",
+                 "--deployment", f"slow={MOCK} --ttft-ms 120 --tbt-ms 15", "--ready-timeout", "20",
+                 "--stop-timeout", "5", "--slo", "ttft=80ms", "--request-rate", "40",
+                 "--output-dir", str(tmp_path), *FAST])
+    assert code == 0
+    results = json.loads((tmp_path / "compare.json").read_text())["deployments"]
+    fast, slow = results["fast"], results["slow"]
+    assert fast["completed"] == slow["completed"] == 6
+    assert slow["p50_ttft_ms"] > fast["p50_ttft_ms"] + 60
+    assert slow["p50_tbt_ms"] > fast["p50_tbt_ms"] + 5
+    assert fast["slo_attainment"] == 1.0 and slow["slo_attainment"] == 0.0
+    table = (tmp_path / "compare.md").read_text()
+    assert "fast" in table and "slow" in table and "TTFT p99" in table
+    for png in ("compare_throughput.png", "compare_ttft.png", "compare_tbt.png", "compare_goodput.png",
+                "compare_ttft_cdf.png", "compare_tbt_cdf.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG", png
+    for s in (fast, slow):  # each deployment was stopped after its run
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(s["base_url"] + "/ready", timeout=2)
+
+
+def test_compare_records_a_deployment_that_never_gets_ready_and_goes_on(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    code = main(["compare", "--deployment", f"broken={shlex.quote(sys.executable)} -c 'raise SystemExit(3)' {{port}}",
+                 "--deployment", f"fine={MOCK} --ttft-ms 10 --tbt-ms 2", "--ready-timeout", "20",
+                 "--output-dir", str(tmp_path), "--no-plots", *FAST])
+    assert code == 1
+    results = json.loads((tmp_path / "compare.json").read_text())["deployments"]
+    assert "exited with code 3" in results["broken"]["error"]
+    assert results["fine"]["completed"] == 6
+
+
+def test_options_take_defaults_from_pdserve_env_vars(monkeypatch):
+    monkeypatch.setenv("PDSERVE_REQUEST_RATE", "7")
+    monkeypatch.setenv("PDSERVE_SLO", "ttft=250ms")
+    monkeypatch.setenv("PDSERVE_NO_PLOTS", "true")
+    plan = plan_from_args(build_parser().parse_args(["run", "--seed", "3"]))
+    assert plan.workload.request_rate == 7.0 and plan.workload.seed == 3
+    assert plan.slo.ttft_s == pytest.approx(0.25) and not plan.plots
+
+
+def test_run_options_work_before_or_after_the_subcommand():
+    parser = build_parser()
+    before = plan_from_args(parser.parse_args(["--input-len", "33", "sweep", "--output-len", "5"]))
+    after = plan_from_args(parser.parse_args(["sweep", "--input-len", "33", "--output-len", "5"]))
+    bare = plan_from_args(parser.parse_args(["--input-len", "33", "--output-len", "5"]))
+    assert before.workload == after.workload == bare.workload
+    assert before.workload.input_len == 33
+
+
+def test_concurrency_selects_a_closed_loop():
+    plan = plan_from_args(build_parser().parse_args(["--concurrency", "4"]))
+    assert plan.load.mode.value == "closed" and plan.load.concurrency == 4
+
+
+@pytest.mark.parametrize("command", ["run", "sweep", "compare"])
+def test_each_subcommand_has_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert "--slo" in capsys.readouterr().out
+
+
+def test_bad_option_values_give_an_error_not_a_traceback(capsys):
+    assert main(["--workload", "nonsense", "--no-progress"]) == 2
+    assert "--workload" in capsys.readouterr().err
