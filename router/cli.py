@@ -1,0 +1,179 @@
+"""`pdserve router`: the OpenAI-compatible HTTP router under uvicorn.
+
+Every option `--foo-bar` defaults to the environment variable PDSERVE_FOO_BAR when it is set.
+SIGTERM: readiness turns 503 and no request is admitted, in-flight ones may finish for up to
+--drain-timeout seconds, then whatever remains fails with an error and the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+KV_TRANSPORTS = ("auto", "tcp", "shm", "cuda_ipc")
+
+
+def _env(option: str, default: Any) -> Any:
+    """PDSERVE_<OPTION> from the environment (converted to the default's type), else `default`."""
+    value = os.environ.get("PDSERVE_" + option.upper().replace("-", "_"))
+    if value is None or value == "":
+        return default
+    if isinstance(default, bool):
+        return value.lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int):
+        return int(value)
+    if isinstance(default, float):
+        return float(value)
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("router")
+    g.add_argument("--host", default=_env("host", "127.0.0.1"), help="HTTP address to listen on")
+    g.add_argument("--port", type=int, default=_env("port", 8000), help="HTTP port")
+    g.add_argument(
+        "--control-address",
+        default=_env("control-address", "tcp://127.0.0.1:5550"),
+        help="zmq address the workers' control connections reach (the router binds it)",
+    )
+    g.add_argument(
+        "--model",
+        default=_env("model", "default"),
+        help="tokenizer source: 'default', a .gguf file or a Hugging Face directory (no weights are read)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=_env("served-model-name", None),
+        help="the model name clients send (default: the model's name)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=_env("api-key", None),
+        help="require `Authorization: Bearer <key>` on /v1/* (env PDSERVE_API_KEY)",
+    )
+    g.add_argument(
+        "--max-inflight",
+        type=int,
+        default=_env("max-inflight", 1024),
+        help="HTTP requests in flight before answering 429",
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=_env("max-body-bytes", 4 * 1024 * 1024),
+        help="largest request body accepted (413 above)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=_env("max-model-len", 0) or None,
+        help="context length cap (default: the smallest max_model_len the workers register)",
+    )
+    g.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=_env("heartbeat-timeout", 3.0),
+        help="seconds without a heartbeat before a worker is out of rotation",
+    )
+    g.add_argument(
+        "--kv-transport",
+        default=_env("kv-transport", "auto"),
+        choices=KV_TRANSPORTS,
+        help="KV transport between prefill and decode: auto picks shm / cuda_ipc on one host",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=_env("request-timeout", 60.0),
+        help="seconds without any token before a request fails",
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=_env("drain-timeout", 30.0),
+        help="on SIGTERM, how long in-flight requests may still run",
+    )
+    # SUPPRESS: under `pdserve router` the top-level --log-level keeps its value.
+    g.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR")
+
+
+def register(sub: Any) -> None:
+    """Add `router` to `pdserve`'s subcommands."""
+    p = sub.add_parser(
+        "router",
+        help="the OpenAI-compatible HTTP router",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace, model_name: str):
+    from router.service import RouterConfig
+
+    return RouterConfig(
+        control_address=args.control_address,
+        served_model_name=args.served_model_name or model_name,
+        api_key=args.api_key or None,
+        max_inflight=args.max_inflight,
+        max_body_bytes=args.max_body_bytes,
+        heartbeat_timeout=args.heartbeat_timeout,
+        kv_transport=args.kv_transport,
+        request_timeout=args.request_timeout,
+        max_model_len=args.max_model_len,
+        drain_timeout=args.drain_timeout,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the tokenizer, build the app, serve until SIGTERM/SIGINT (then drain)."""
+    import uvicorn
+
+    from router.app import create_app
+    from router.tokenizer_source import load_tokenizer
+
+    level = getattr(args, "log_level", None) or _env("log-level", "INFO")
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger().setLevel(level.upper())
+    try:
+        source = load_tokenizer(args.model)
+    except Exception as exc:  # ModelLoadError says what to do; anything else is still fatal
+        log.error("cannot load the tokenizer for --model %r: %s", args.model, exc)
+        return 2
+    config = config_from_args(args, source.name)
+    app = create_app(config, source.tokenizer)
+    service = app.state.service
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # Readiness flips first so load balancers stop sending; uvicorn then drains.
+            service.draining = True
+            log.info("signal %d: draining (up to %.0f s)", sig, config.drain_timeout)
+            super().handle_exit(sig, frame)
+
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=level.lower(),
+            timeout_graceful_shutdown=max(1, int(config.drain_timeout)),
+            access_log=False,
+        )
+    )
+    log.info(
+        "router for model %r on http://%s:%d, control %s",
+        config.served_model_name,
+        args.host,
+        args.port,
+        config.control_address,
+    )
+    server.run()
+    return 0

@@ -1,0 +1,120 @@
+"""The router's Prometheus metrics, on a registry of its own (one per app, so tests can build many).
+
+`pdserve_router_queue_depth` (requests still waiting for their first token) is the metric the
+Kubernetes HPA scales prefill workers on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class RouterMetrics:
+    """Owns one CollectorRegistry; every instrument the router updates lives here."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram(
+            "pdserve_router_ttft_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tbt = Histogram(
+            "pdserve_router_tbt_seconds",
+            "Time between consecutive tokens of one request",
+            buckets=_TBT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_router_e2e_seconds",
+            "End-to-end request latency",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "pdserve_router_queue_time_seconds",
+            "Arrival at the router until the request is handed to a worker",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge(
+            "pdserve_router_running_requests",
+            "Requests that have their first token and are still generating",
+            registry=r,
+        )
+        self.waiting = Gauge(
+            "pdserve_router_waiting_requests", "Requests waiting for their first token", registry=r
+        )
+        self.queue_depth = Gauge(
+            "pdserve_router_queue_depth",
+            "Requests waiting for their first token (HPA metric)",
+            registry=r,
+        )
+        self.requests = Counter(
+            "pdserve_router_requests_total",
+            "Finished HTTP requests by status",
+            ["status"],
+            registry=r,
+        )
+        self.bad_messages = Counter(
+            "pdserve_router_bad_messages_total",
+            "Control-channel frames dropped as malformed",
+            registry=r,
+        )
+        self.workers = Gauge("pdserve_router_workers", "Live workers by role", ["role"], registry=r)
+        self.kv_blocks_used = Gauge(
+            "pdserve_kv_blocks_used", "KV blocks in use on a worker", ["worker", "role"], registry=r
+        )
+        self.kv_blocks_free = Gauge(
+            "pdserve_kv_blocks_free", "Free KV blocks on a worker", ["worker", "role"], registry=r
+        )
+        self.kv_bytes = Counter(
+            "pdserve_kv_transfer_bytes",
+            "KV bytes moved between workers",
+            ["worker", "role", "direction"],
+            registry=r,
+        )
+        self.kv_seconds = Counter(
+            "pdserve_kv_transfer_seconds",
+            "Seconds workers spent moving KV",
+            ["worker", "role"],
+            registry=r,
+        )
+        self.worker_failures = Counter(
+            "pdserve_router_worker_failures_total",
+            "Workers taken out of rotation (missed heartbeats)",
+            registry=r,
+        )
+
+    def request_started(self) -> None:
+        self.waiting.inc()
+        self.queue_depth.inc()
+
+    def first_token(self) -> None:
+        self.waiting.dec()
+        self.queue_depth.dec()
+        self.running.inc()
+
+    def request_ended(self, had_first_token: bool) -> None:
+        if had_first_token:
+            self.running.dec()
+        else:
+            self.waiting.dec()
+            self.queue_depth.dec()
+
+    def forget_worker(self, worker: str, role: str) -> None:
+        for gauge in (self.kv_blocks_used, self.kv_blocks_free):
+            with contextlib.suppress(KeyError):  # never reported a heartbeat
+                gauge.remove(worker, role)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,305 @@
+"""OpenAI request and response bodies as msgspec Structs, and their strict parsing.
+
+Requests ignore fields we do not know (clients send `user`, `store`, `metadata`...), but every
+known field is type-checked and a wrong type names its `param`. Responses follow OpenAI's shape
+field for field so the official `openai` client parses them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+from router.errors import bad_request
+
+MAX_STOP_STRINGS = 4
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+
+# --- requests --------------------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields chat and completions share (OpenAI's plus the vLLM extras benchmarks use)."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
+
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING = re.compile(r"missing required field `([^`]*)`")
+
+
+def parse_request(body: bytes, kind: type[R]) -> R:
+    """Decode and check one request body; raise APIError(400) naming the bad param."""
+    try:
+        req = msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        m = _PATH.search(str(exc))
+        missing = _MISSING.search(str(exc))
+        param = m.group(1) if m else None
+        if missing:
+            param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+        msg = _PATH.sub("", str(exc)).rstrip(" -")
+        raise bad_request(
+            f"invalid request: {msg}" + (f" (at {param})" if param else ""), param
+        ) from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    _check_common(req)
+    if isinstance(req, ChatCompletionRequest):
+        _check_chat(req)
+    else:
+        _check_completion(req)
+    return req
+
+
+def _check_common(req: _SamplingFields) -> None:
+    if not req.model:
+        raise bad_request("`model` must be a non-empty string", "model")
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"`n` must be in [1, {MAX_N}], got {req.n}", "n")
+    stops = stop_strings(req)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(
+            f"`stop` takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop"
+        )
+    if any(not s for s in stops):
+        raise bad_request("`stop` strings must be non-empty", "stop")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request(
+            "`stream_options` is only allowed when `stream` is true", "stream_options"
+        )
+
+
+def _check_chat(req: ChatCompletionRequest) -> None:
+    if not req.messages:
+        raise bad_request("`messages` must contain at least one message", "messages")
+    for i, message in enumerate(req.messages):
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(
+                        f"only text content parts are supported, got type {part.type!r}",
+                        f"messages[{i}].content[{j}]",
+                    )
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("`top_logprobs` requires `logprobs` to be true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise bad_request('only `response_format` {"type": "text"} is supported', "response_format")
+
+
+def _check_completion(req: CompletionRequest) -> None:
+    if req.echo:
+        raise bad_request("`echo` is not supported", "echo")
+    if req.suffix:
+        raise bad_request("`suffix` is not supported", "suffix")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"`logprobs` must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
+
+
+def stop_strings(req: _SamplingFields) -> list[str]:
+    if req.stop is None:
+        return []
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop)
+
+
+def message_text(message: ChatMessage) -> str | None:
+    """A message's content as one string (text parts joined), as chat templates expect."""
+    if isinstance(message.content, list):
+        return "".join(part.text or "" for part in message.content)
+    return message.content
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The single prompt of a completions request: a string or a list of token ids."""
+    prompt: Any = req.prompt
+    # OpenAI also accepts a batch ([str] or [[int]]); a batch of one is the same request.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("`prompt` must not be empty", "prompt")
+        return prompt
+    if not prompt:
+        raise bad_request("`prompt` must not be empty", "prompt")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise bad_request(
+        "`prompt` must be a string or a list of token ids (one prompt per request)", "prompt"
+    )
+
+
+# --- responses -------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class ChatMessageOut(msgspec.Struct):
+    content: str | None
+    role: str = "assistant"
+    refusal: None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(msgspec.Struct):
+    """Both the non-streaming body and each streamed chunk of /v1/completions."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    object: str = "model"
+    owned_by: str = "pdserve"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+def encode(obj: msgspec.Struct) -> bytes:
+    return msgspec.json.encode(obj)

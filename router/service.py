@@ -1,0 +1,353 @@
+"""Everything behind the HTTP handlers: prompt building, sampling checks, routing, admission.
+
+`RouterService` owns the registry, the control channel, the in-flight requests and the
+metrics; it lives on the server's event loop and is started/stopped by the app's lifespan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from kvtransfer.protocol import GenerateRequest, PrefillRequest
+from router.control import ControlServer
+from router.errors import APIError, bad_request, unavailable
+from router.metrics import RouterMetrics
+from router.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    completion_prompt,
+    message_text,
+)
+from router.registry import Hasher, Registry
+from router.requests import Choice, RequestState, RequestTracker
+
+log = logging.getLogger(__name__)
+
+# Prompts longer than this are templated/tokenized off the event loop.
+_INLINE_TOKENIZE_CHARS = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    control_address: str = "tcp://127.0.0.1:5550"
+    served_model_name: str = "default"
+    api_key: str | None = None
+    max_inflight: int = 1024
+    max_body_bytes: int = 4 * 1024 * 1024
+    heartbeat_timeout: float = 3.0
+    kv_transport: str = "auto"
+    request_timeout: float = 60.0
+    max_model_len: int | None = None
+    drain_timeout: float = 30.0
+
+
+class Slot:
+    """One admitted HTTP request's place under --max-inflight; `release` is idempotent."""
+
+    def __init__(self, service: RouterService) -> None:
+        self._service: RouterService | None = service
+
+    def release(self) -> None:
+        if self._service is not None:
+            self._service.inflight -= 1
+            self._service = None
+
+
+class RouterService:
+    """The router's state and the operations the HTTP layer needs. Event-loop owned."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        tokenizer: Any,
+        *,
+        detokenizer_factory: Callable[[Any], Any],
+        hasher: Hasher | None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.detokenizer_factory = detokenizer_factory
+        self.metrics = RouterMetrics()
+        self.registry = Registry(hasher, config.kv_transport)
+        self.tracker = RequestTracker()
+        self.control = ControlServer(
+            config.control_address,
+            self.registry,
+            self.tracker,
+            self.metrics,
+            config.heartbeat_timeout,
+        )
+        self.inflight = 0
+        self.draining = False
+        self._api_key = config.api_key.encode() if config.api_key else None
+
+    async def start(self) -> None:
+        await self.control.start()
+
+    async def stop(self) -> None:
+        """Fail what is still in flight (the drain is over) and close the control channel."""
+        self.draining = True
+        for state in self.tracker.all():
+            state.fail(APIError(503, "the router is shutting down", code="shutting_down"))
+        # Let the handlers see their failure and queue their aborts before the channel closes.
+        deadline = time.monotonic() + 1.0
+        while len(self.tracker) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await self.control.stop()
+
+    async def drain(self, timeout: float) -> None:
+        """Stop admitting and wait (up to `timeout`) for in-flight requests to finish."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    # --- admission -----------------------------------------------------------------------
+
+    def check_auth(self, authorization: str | None) -> None:
+        if self._api_key is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self._api_key
+        ):
+            raise APIError(
+                401,
+                "missing or invalid API key (send `Authorization: Bearer <key>`)",
+                code="invalid_api_key",
+            )
+
+    def admit(self) -> Slot:
+        if self.draining:
+            raise APIError(503, "the router is shutting down", code="shutting_down")
+        if self.inflight >= self.config.max_inflight:
+            raise APIError(
+                429,
+                f"too many requests in flight (limit {self.config.max_inflight}); retry shortly",
+                code="too_many_requests",
+                headers={"Retry-After": "1"},
+            )
+        self.inflight += 1
+        return Slot(self)
+
+    def check_model(self, model: str) -> None:
+        if model != self.config.served_model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.config.served_model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def context_length(self) -> int:
+        workers = self.registry.max_model_len()
+        lens = [n for n in (self.config.max_model_len, workers) if n is not None]
+        if not lens:
+            raise unavailable("no worker has registered yet; retry when /ready says 200")
+        return min(lens)
+
+    # --- prompt --------------------------------------------------------------------------
+
+    async def prompt_ids(
+        self, req: ChatCompletionRequest | CompletionRequest
+    ) -> tuple[list[int], str]:
+        """Token ids of the request's prompt and the param that names it in errors."""
+        if isinstance(req, ChatCompletionRequest):
+            size = sum(len(message_text(m) or "") for m in req.messages)
+            return await self._maybe_offload(size, self._chat_ids, req), "messages"
+        prompt = completion_prompt(req)
+        if isinstance(prompt, str):
+            return await self._maybe_offload(len(prompt), self.tokenizer.encode, prompt), "prompt"
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(
+                f"token id {bad} in `prompt` is outside the vocabulary (size {vocab})", "prompt"
+            )
+        return prompt, "prompt"
+
+    @staticmethod
+    async def _maybe_offload(size: int, fn: Callable[..., Any], *args: Any) -> Any:
+        if size <= _INLINE_TOKENIZE_CHARS:
+            return fn(*args)
+        return await asyncio.to_thread(fn, *args)
+
+    def _chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+        messages = []
+        for m in req.messages:
+            msg: dict[str, Any] = {"role": m.role, "content": message_text(m)}
+            if m.name is not None:
+                msg["name"] = m.name
+            if m.tool_calls is not None:
+                msg["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            messages.append(msg)
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools is not None:
+            kwargs["tools"] = req.tools
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, **kwargs
+            )
+        except Exception as exc:  # ValueError, jinja2 errors: the template rejected these messages
+            raise bad_request(
+                f"the chat template failed on these messages: {exc}",
+                "messages",
+                "chat_template_error",
+            ) from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # --- sampling ------------------------------------------------------------------------
+
+    def sampling_params(
+        self, req: ChatCompletionRequest | CompletionRequest, prompt_len: int, prompt_param: str
+    ) -> list[SamplingParams]:
+        """One validated SamplingParams per choice (seed + i when a seed is given)."""
+        ctx = self.context_length()
+        if prompt_len >= ctx:
+            raise bad_request(
+                f"the prompt has {prompt_len} tokens but the context length is {ctx}",
+                prompt_param,
+                "context_length_exceeded",
+            )
+        names = {}
+        if isinstance(req, ChatCompletionRequest):
+            max_tokens = (
+                req.max_completion_tokens
+                if req.max_completion_tokens is not None
+                else req.max_tokens
+            )
+            if req.max_completion_tokens is not None:
+                names["max_tokens"] = "max_completion_tokens"
+            names["logprobs"] = "top_logprobs"
+            default_max = ctx - prompt_len
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            max_tokens, default_max, logprobs = (
+                req.max_tokens,
+                min(16, ctx - prompt_len),
+                req.logprobs,
+            )
+        stop_ids = list(req.stop_token_ids or ())
+        if not req.ignore_eos:
+            stop_ids += list(self.tokenizer.stop_token_ids)
+        proto = SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+            presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+            max_tokens=default_max if max_tokens is None else max_tokens,
+            min_tokens=req.min_tokens,
+            stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+        params = []
+        for i in range(req.n):
+            seed = None if req.seed is None else req.seed + i
+            try:
+                params.append(
+                    msgspec.structs.replace(proto, seed=seed).validate(self.tokenizer.vocab_size)
+                )
+            except SamplingParamsError as exc:
+                param = names.get(exc.param, exc.param)
+                raise bad_request(str(exc).replace(exc.param, param, 1), param) from None
+        if prompt_len + params[0].max_tokens > ctx:
+            raise bad_request(
+                f"the prompt ({prompt_len} tokens) plus max_tokens ({params[0].max_tokens}) exceeds "
+                f"the context length ({ctx}); shorten the prompt or lower max_tokens",
+                prompt_param,
+                "context_length_exceeded",
+            )
+        return params
+
+    # --- dispatch ------------------------------------------------------------------------
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: list[SamplingParams],
+        stops: Sequence[str],
+        want_logprobs: bool,
+        arrival: float,
+    ) -> RequestState:
+        """Pick workers for every choice and send the work; 503 when no path exists."""
+        if self.draining:
+            raise APIError(503, "the router is shutting down", code="shutting_down")
+        choices: list[Choice] = []
+        token_ids = tuple(prompt_ids)
+        for i, sp in enumerate(params):
+            sub_id = f"{request_id}-{i}"
+            route = self.registry.pick(sub_id, token_ids, sp.max_tokens)
+            if route is None:
+                for c in choices:
+                    self.control.abort(c.route.workers, (c.request_id,))
+                    self.registry.forget_request(c.request_id, c.route.workers)
+                raise unavailable(
+                    "no worker can serve this request now (need a prefill and a decode worker, or a colocated one)"
+                )
+            choices.append(
+                Choice(i, sub_id, route, self.detokenizer_factory(self.tokenizer), stops)
+            )
+        state = RequestState(
+            request_id,
+            choices,
+            prompt_tokens=len(token_ids),
+            want_logprobs=want_logprobs,
+            timeout=self.config.request_timeout,
+            metrics=self.metrics,
+            send_abort=self.control.abort,
+            on_close=self._forget,
+            arrival=arrival,
+        )
+        self.tracker.add(state)
+        now = time.time()
+        for c, sp in zip(choices, params, strict=True):
+            r = c.route
+            if r.mode == "disaggregated":
+                assert r.decode is not None
+                msg: PrefillRequest | GenerateRequest = PrefillRequest(
+                    request_id=c.request_id,
+                    token_ids=token_ids,
+                    sampling=sp,
+                    decode_worker_id=r.decode,
+                    decode_kv_address=r.decode_kv_address,
+                    kv_transport=r.kv_transport,
+                    arrival_time=now,
+                )
+            else:
+                msg = GenerateRequest(
+                    request_id=c.request_id, token_ids=token_ids, sampling=sp, arrival_time=now
+                )
+            self.control.send(r.first, msg)
+            self.metrics.request_started()
+            log.info(
+                "request %s: %d prompt tokens, max_tokens %d -> %s%s (%s)",
+                c.request_id,
+                len(token_ids),
+                sp.max_tokens,
+                r.first,
+                f" -> {r.decode} via {r.kv_transport}" if r.decode else "",
+                r.mode,
+            )
+        self.metrics.queue_time.observe(time.monotonic() - arrival)
+        return state
+
+    def _forget(self, state: RequestState) -> None:
+        self.tracker.remove(state)
+        for c in state.choices:
+            self.registry.forget_request(c.request_id, c.route.workers)

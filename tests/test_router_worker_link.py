@@ -1,0 +1,165 @@
+"""WorkerLink, the worker's side of the control channel, against a raw socket and the real router."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import time
+
+import httpx
+import pytest
+import zmq
+
+from engine.sampling_params import SamplingParams
+from kvtransfer.control import WorkerLink
+from kvtransfer.protocol import (
+    Abort,
+    GenerateRequest,
+    Goodbye,
+    Heartbeat,
+    Register,
+    RegisterAck,
+    TokenEvent,
+    TokenEvents,
+    decode,
+    encode,
+)
+from tests.fake_worker import FINGERPRINT, FakeWorker, RouterHarness, toks
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def register(worker_id: str = "w0") -> Register:
+    return Register(
+        worker_id=worker_id,
+        role="colocated",
+        kv_address="tcp://x",
+        health_address="",
+        fingerprint=FINGERPRINT,
+        num_blocks=10,
+        max_model_len=100,
+    )
+
+
+def heartbeat() -> Heartbeat:
+    return Heartbeat(
+        worker_id="w0",
+        free_blocks=10,
+        total_blocks=10,
+        queued_prefill_tokens=0,
+        running=0,
+        waiting=0,
+    )
+
+
+@pytest.fixture
+def raw_router():
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 3000)
+    sock.bind("tcp://127.0.0.1:*")
+    yield sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    sock.close()
+
+
+def recv_until(sock, kind, timeout=3.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ident, frame = sock.recv_multipart()
+        msg = decode(frame)
+        if isinstance(msg, kind):
+            return ident, msg
+    raise AssertionError(f"no {kind.__name__} received")
+
+
+def test_link_registers_heartbeats_and_ships_events(raw_router):
+    sock, address = raw_router
+    link = WorkerLink(address, register(), heartbeat, heartbeat_interval=0.05).start()
+    try:
+        ident, reg = recv_until(sock, Register)
+        assert ident == b"w0" and reg.incarnation  # the link stamps its incarnation
+        assert not link.registered
+        sock.send_multipart([ident, encode(RegisterAck(worker_id="w0", accepted=True))])
+        assert link.wait_registered(3)
+        recv_until(sock, Heartbeat)
+        link.send_events(
+            TokenEvents(worker_id="w0", events=(TokenEvent(request_id="r", token_ids=(1,)),))
+        )
+        _, events = recv_until(sock, TokenEvents)
+        assert events.events[0].request_id == "r"
+    finally:
+        link.close()
+    recv_until(sock, Goodbye)
+
+
+def test_link_drops_malformed_frames_and_keeps_working(raw_router):
+    sock, address = raw_router
+    link = WorkerLink(address, register(), heartbeat, heartbeat_interval=0.05).start()
+    try:
+        ident, _ = recv_until(sock, Register)
+        for junk in (
+            b"\xc1junk",
+            pickle.dumps(["x"]),
+            encode(heartbeat()),
+        ):  # heartbeat: wrong direction
+            sock.send_multipart([ident, junk])
+        sock.send_multipart([ident, b"a", b"b"])
+        work = GenerateRequest(request_id="r1", token_ids=(1, 2), sampling=SamplingParams())
+        sock.send_multipart([ident, encode(work)])
+        sock.send_multipart([ident, encode(Abort(request_ids=("r1",)))])
+        deadline, got = time.monotonic() + 3, []
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += link.poll()
+            time.sleep(0.005)
+        assert got == [work, Abort(request_ids=("r1",))]
+        assert link.bad_messages == 4
+    finally:
+        link.close()
+
+
+def test_link_stops_retrying_when_refused(raw_router):
+    sock, address = raw_router
+    link = WorkerLink(address, register(), heartbeat, heartbeat_interval=0.05).start()
+    try:
+        ident, _ = recv_until(sock, Register)
+        sock.send_multipart(
+            [ident, encode(RegisterAck(worker_id="w0", accepted=False, reason="bad model"))]
+        )
+        assert not link.wait_registered(0.3)
+        assert link.refused_reason == "bad model"
+    finally:
+        link.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_worker_registers_again_after_the_router_restarts():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    with RouterHarness(control_address=address) as first:
+        w = FakeWorker(first.control_address, "colo-0", script=toks("Hello")).start()
+    try:
+        with RouterHarness(control_address=address) as second:  # knows nothing of colo-0
+            assert second.wait_until(lambda: "colo-0" in second.service.registry.workers, timeout=5)
+            r = httpx.post(
+                second.base_url + "/v1/completions",
+                json={"model": "fake-model", "prompt": "x"},
+                timeout=10,
+            )
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "Hello"
+    finally:
+        w.stop()
+
+
+def test_shm_is_chosen_for_workers_on_the_same_host():
+    with RouterHarness() as h:
+        p = h.worker("prefill-0", "prefill", host_id="node-a", kv_transports=("tcp", "shm"))
+        h.worker("decode-0", "decode", host_id="node-a", kv_transports=("tcp", "shm"))
+        r = httpx.post(
+            h.base_url + "/v1/completions", json={"model": "fake-model", "prompt": "x"}, timeout=10
+        )
+        assert r.status_code == 200
+        assert p.requests()[-1].kv_transport == "shm"
