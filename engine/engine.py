@@ -50,6 +50,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    position: int = 0  # index in the request's output of new_token_ids[0]
 
     @property
     def finished(self) -> bool:
@@ -173,7 +174,8 @@ class Engine:
         outputs: list[RequestOutput] = []
         for r in out.preempted:
             if r.status is RequestStatus.FINISHED_LENGTH:
-                outputs.append(RequestOutput(r.request_id, [], "length", num_prompt_tokens=r.num_prompt_tokens))
+                outputs.append(RequestOutput(r.request_id, [], "length", num_prompt_tokens=r.num_prompt_tokens,
+                                             position=r.num_output_tokens))
         if out.empty:
             return outputs
         samplers, result = self.runner.execute(out.scheduled)
@@ -188,7 +190,8 @@ class Engine:
                 lp, top = [result.logprobs[i]], [result.top_logprobs[i]]  # type: ignore[index]
             reason = req.status.value if req.status.finished and req.status is not RequestStatus.PREFILLED else None
             outputs.append(RequestOutput(req.request_id, [req.token_ids[-1]], reason, lp, top,
-                                         req.num_prompt_tokens, req.num_cached_tokens))
+                                         req.num_prompt_tokens, req.num_cached_tokens,
+                                         position=req.num_output_tokens - 1))
             if req.status is RequestStatus.PREFILLED:
                 self._prefilled.append(req)
         self._record(start, now, out, len(samplers))

@@ -151,6 +151,8 @@ class ShmKVReceiver(ZmqKVReceiver):
         super().__init__(address, **kwargs)  # type: ignore[arg-type]
 
     def _open(self, meta: KVTransfer, frames: list) -> tuple[torch.Tensor, object]:
+        if meta.transport == "tcp":  # inline fallback from a sender on another host
+            return ZmqKVReceiver._open(self, meta, frames)
         if frames:
             raise TransportError(f"a shm KV transfer carries no payload frame, got {len(frames)}")
         try:

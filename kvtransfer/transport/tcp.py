@@ -375,7 +375,8 @@ class ZmqKVReceiver(KVReceiver):
         self._ready.put(rkv)
 
     def _check(self, msg: KVTransfer) -> str | None:
-        if msg.transport != self.kind:
+        # Every receiver also takes inline (tcp) transfers: the fallback between hosts.
+        if msg.transport not in (self.kind, "tcp"):
             return f"transfer uses transport {msg.transport!r}, this receiver is {self.kind!r}"
         if self.fingerprint is not None and (
             why := fingerprint_mismatch(self.fingerprint, msg.fingerprint)

@@ -1,0 +1,148 @@
+"""`pdserve up`: the router and its workers on this machine, as child processes.
+
+Disaggregated by default (one prefill and one decode worker, each pinned to its own CPU core,
+KV over shared memory); `--colocated --policy X` starts the colocated baseline instead. Ctrl-C or
+SIGTERM drains the workers, then stops the router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from engine.cli import add_engine_arguments, env_default
+from engine.policies import COLOCATED_POLICIES
+
+log = logging.getLogger(__name__)
+
+FORWARDED = ("model", "device", "dtype", "block_size", "kv_cache_memory_gb", "max_model_len", "max_num_seqs",
+             "max_num_batched_tokens", "attention_backend")
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def register(sub) -> None:
+    p = sub.add_parser("up", help="router + prefill + decode on this machine",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default=env_default("host", "127.0.0.1"), help="address the router's HTTP API binds")
+    p.add_argument("--port", type=int, default=env_default("port", 8000), help="the router's HTTP port")
+    p.add_argument("--colocated", action="store_true", default=env_default("colocated", False),
+                   help="run colocated workers (prefill and decode in one engine) instead of disaggregated ones")
+    p.add_argument("--policy", default=env_default("policy", "chunked"), choices=list(COLOCATED_POLICIES),
+                   help="batching policy of colocated workers")
+    p.add_argument("--num-prefill", type=int, default=env_default("num-prefill", 1))
+    p.add_argument("--num-decode", type=int, default=env_default("num-decode", 1),
+                   help="decode workers (colocated workers with --colocated)")
+    p.add_argument("--kv-transport", default=env_default("kv-transport", "shm"), choices=["tcp", "shm", "cuda_ipc"])
+    p.add_argument("--no-pin", action="store_true", help="do not pin each worker to its own CPU core")
+    p.add_argument("--api-key", default=env_default("api-key", None), help="require this bearer token")
+    p.add_argument("--ready-timeout", type=float, default=env_default("ready-timeout", 600.0))
+    add_engine_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _engine_args(args) -> list[str]:
+    out = []
+    for name in FORWARDED:
+        value = getattr(args, name)
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    if args.no_prefix_caching:
+        out.append("--no-prefix-caching")
+    return out
+
+
+def plan(args) -> list[tuple[str, list[str], int | None]]:
+    """(name, argv, cpu core or None) of every child process."""
+    base = [sys.executable, "-m", "engine.cli", "--log-level", logging.getLevelName(logging.getLogger().level)]
+    control = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    router = [*base, "router", "--host", args.host, "--port", str(args.port), "--control-address", control,
+              "--model", args.model, "--kv-transport", "auto"]
+    if args.api_key:
+        router += ["--api-key", args.api_key]
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    threads = args.threads or 1
+    worker = ["--router-address", control, "--host", "127.0.0.1", "--threads", str(threads), *_engine_args(args)]
+    children: list[tuple[str, list[str], int | None]] = [("router", router, None)]
+    roles = [("decode", i) for i in range(args.num_decode)]
+    if not args.colocated:
+        roles = [("prefill", i) for i in range(args.num_prefill)] + roles
+    for n, (role, i) in enumerate(roles):
+        core = None if args.no_pin or not cores else cores[n % len(cores)]
+        cmd = [*base, role, *worker, "--health-port", "0", "--kv-port", "0", "--worker-id", f"{role}-{i}"]
+        if role == "decode" and args.colocated:
+            cmd += ["--mode", "colocated", "--policy", args.policy]
+        else:
+            cmd += ["--kv-transport", args.kv_transport if role == "decode" else "tcp,shm,cuda_ipc"]
+        children.append((f"{role}-{i}", cmd, core))
+    return children
+
+
+def run(args) -> int:
+    procs: list[tuple[str, subprocess.Popen]] = []
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    for name, cmd, core in plan(args):
+        pre = (lambda c=core: os.sched_setaffinity(0, {c})) if core is not None else None
+        procs.append((name, subprocess.Popen(cmd, preexec_fn=pre, start_new_session=True)))
+        log.info("started %s (pid %d%s)", name, procs[-1][1].pid, f", core {core}" if core is not None else "")
+    url = f"http://{args.host}:{args.port}"
+    ready = False
+    deadline = time.time() + args.ready_timeout
+    code = 0
+    while not stopping:
+        dead = [(n, p.returncode) for n, p in procs if p.poll() is not None]
+        if dead:
+            print(f"pdserve: {dead[0][0]} exited with status {dead[0][1]}; shutting down", file=sys.stderr)
+            code = 1
+            break
+        if not ready:
+            try:
+                ready = httpx.get(f"{url}/ready", timeout=1.0).status_code == 200
+            except httpx.HTTPError:
+                pass
+            if ready:
+                mode = f"colocated, policy {args.policy}" if args.colocated else f"disaggregated, KV over {args.kv_transport}"
+                print(f"pdserve is up at {url} ({mode}); OpenAI base URL {url}/v1. Ctrl-C stops it.", flush=True)
+            elif time.time() > deadline:
+                print(f"pdserve: not ready after {args.ready_timeout:.0f}s; shutting down", file=sys.stderr)
+                code = 1
+                break
+        time.sleep(0.2)
+    _shutdown(procs)
+    return code
+
+
+def _shutdown(procs: list[tuple[str, subprocess.Popen]]) -> None:
+    """Workers drain first (so in-flight requests finish), then the router stops."""
+    workers = [p for n, p in procs if n != "router"]
+    routers = [p for n, p in procs if n == "router"]
+    for group in (workers, routers):
+        for p in group:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.time() + 30
+        for p in group:
+            try:
+                p.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

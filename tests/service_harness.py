@@ -1,0 +1,128 @@
+"""Start router + workers as real processes on loopback, with known ports, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    health: str | None = None  # worker probe base URL
+    kv_port: int | None = None
+
+
+@dataclass
+class Cluster:
+    """One router and its workers. `mode` is 'disaggregated' or 'colocated' (with `policy`)."""
+
+    tmp: Path
+    model: str
+    mode: str = "disaggregated"
+    policy: str = "chunked"
+    transport: str = "tcp"
+    num_prefill: int = 1
+    num_decode: int = 1
+    engine_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    procs: list[Proc] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.port = free_port()
+        self.control = f"tcp://127.0.0.1:{free_port()}"
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def _spawn(self, name: str, args: list[str], **kw) -> Proc:
+        log = self.tmp / f"{name}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "engine.cli", "--log-level", "INFO", *args]
+        popen = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = Proc(name, popen, log, **kw)
+        self.procs.append(proc)
+        return proc
+
+    def start(self, timeout: float = 180.0) -> Cluster:
+        self._spawn("router", ["router", "--port", str(self.port), "--control-address", self.control,
+                               "--model", self.model, "--heartbeat-timeout", "3", *self.router_args])
+        common = ["--router-address", self.control, "--model", self.model, "--threads", "1",
+                  "--heartbeat-interval", "0.5", *self.engine_args]
+        roles = [("decode", i) for i in range(self.num_decode)]
+        if self.mode == "disaggregated":
+            roles = [("prefill", i) for i in range(self.num_prefill)] + roles
+        for role, i in roles:
+            hp = free_port()
+            args = [role, *common, "--health-port", str(hp), "--worker-id", f"{role}-{i}"]
+            kv = None
+            if role == "decode":
+                kv = free_port()
+                args += ["--kv-port", str(kv)]
+                if self.mode == "colocated":
+                    args += ["--mode", "colocated", "--policy", self.policy]
+                else:
+                    args += ["--kv-transport", self.transport]
+            else:
+                args += ["--kv-transport", "tcp,shm"]
+            self._spawn(f"{role}-{i}", args, health=f"http://127.0.0.1:{hp}", kv_port=kv)
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        urls = [self.base_url + "/ready"] + [p.health + "/ready" for p in self.procs if p.health]
+        while time.time() < deadline:
+            for p in self.procs:
+                if p.popen.poll() is not None:
+                    raise RuntimeError(f"{p.name} exited ({p.popen.returncode}):\n{p.log.read_text()[-3000:]}")
+            try:
+                if all(httpx.get(u, timeout=2).status_code == 200 for u in urls):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("cluster not ready:\n" + "\n".join(p.log.read_text()[-1500:] for p in self.procs))
+
+    def proc(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    def info(self, name: str) -> dict:
+        return httpx.get(self.proc(name).health + "/info", timeout=5).json()
+
+    def workers(self) -> list[str]:
+        return [p.name for p in self.procs if p.health]
+
+    def wait_idle(self, timeout: float = 2.0) -> dict[str, dict]:
+        """Every worker's info once none holds a block for a live request (or at the timeout)."""
+        deadline = time.time() + timeout
+        while True:
+            infos = {w: self.info(w) for w in self.workers()}
+            if all(i["used_blocks"] == 0 for i in infos.values()) or time.time() > deadline:
+                return infos
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.popen.poll() is None:
+                os.killpg(p.popen.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.popen.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.popen.pid, signal.SIGKILL)
+                p.popen.wait()
