@@ -27,7 +27,7 @@ class Policy(ABC):
     def schedule(self, s: Scheduler, step: Step) -> None:
         """Fill `step` from s.running and s.waiting, using the scheduler's shared mechanics."""
 
-    def on_finish(self, req: Request) -> None:  # noqa: B027 - optional hook
+    def on_finish(self, req: Request) -> None:
         """A request left (finished or aborted)."""
 
     # -- building blocks ----------------------------------------------------------------------

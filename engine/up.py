@@ -8,6 +8,7 @@ SIGTERM drains the workers, then stops the router.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -115,10 +116,8 @@ def run(args) -> int:
             code = 1
             break
         if not ready:
-            try:
+            with contextlib.suppress(httpx.HTTPError):
                 ready = httpx.get(f"{url}/ready", timeout=1.0).status_code == 200
-            except httpx.HTTPError:
-                pass
             if ready:
                 mode = f"colocated, policy {args.policy}" if args.colocated else f"disaggregated, KV over {args.kv_transport}"
                 print(f"pdserve is up at {url} ({mode}); OpenAI base URL {url}/v1. Ctrl-C stops it.", flush=True)
