@@ -79,16 +79,16 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.q_size, bias=False)
-        self.k_proj = nn.Linear(h, self.kv_size, bias=False)
-        self.v_proj = nn.Linear(h, self.kv_size, bias=False)
+        # One matmul for q, k and v: one pass over the activations instead of three.
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, h, bias=False)
 
     def forward(self, x, positions, rotary: RotaryEmbedding, meta: AttentionMetadata, kv_cache):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         k_cache, v_cache = kv_cache[self.layer, 0], kv_cache[self.layer, 1]
         self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -112,12 +112,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -142,8 +142,27 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions)
 
 
+# Our fused parameters and the Hugging Face tensors stacked (in this order) to make them.
+FUSED = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def fuse_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> ours: q/k/v and gate/up stacked along the output dimension."""
+    out = dict(state_dict)
+    layer_prefixes = {k.rsplit("self_attn.", 1)[0] for k in state_dict if ".self_attn.q_proj." in k}
+    for prefix in layer_prefixes:
+        for fused, parts in FUSED.items():
+            names = [prefix + p for p in parts]
+            if all(n in out for n in names):
+                out[prefix + fused] = torch.cat([out.pop(n) for n in names], dim=0)
+    return out
+
+
 class LlamaForCausalLM(nn.Module):
-    """Parameter names follow Hugging Face, so a state dict from either loader fits as is."""
+    """Weights load from Hugging Face names (either loader); q/k/v and gate/up are fused here."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
@@ -168,6 +187,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy a Hugging Face-named state dict in; raise ValueError naming missing/extra tensors."""
+        state_dict = fuse_state_dict(state_dict)
         own = self.state_dict()
         expected = {k for k in own if not (self.config.tie_word_embeddings and k == "lm_head.weight")}
         missing = expected - state_dict.keys()
