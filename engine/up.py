@@ -47,7 +47,9 @@ def register(sub) -> None:
     p.add_argument("--num-decode", type=int, default=env_default("num-decode", 1),
                    help="decode workers (colocated workers with --colocated)")
     p.add_argument("--kv-transport", default=env_default("kv-transport", "shm"), choices=["tcp", "shm", "cuda_ipc"])
-    p.add_argument("--no-pin", action="store_true", help="do not pin each worker to its own CPU core")
+    p.add_argument("--no-pin", action="store_true",
+                   help="do not pin processes to cores (by default decode workers get cores of their own; "
+                        "prefill workers and the router share the rest)")
     p.add_argument("--api-key", default=env_default("api-key", None), help="require this bearer token")
     p.add_argument("--ready-timeout", type=float, default=env_default("ready-timeout", 600.0))
     add_engine_arguments(p)
@@ -73,21 +75,35 @@ def plan(args) -> list[tuple[str, list[str], int | None]]:
               "--model", args.model, "--kv-transport", "auto"]
     if args.api_key:
         router += ["--api-key", args.api_key]
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    threads = args.threads or 1
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    if args.colocated:
+        # One engine does everything: give it every core (threads), pin nothing.
+        threads = args.threads or len(cores)
+        pins: list[int | None] = [None] * args.num_decode
+        router_core = None
+    else:
+        # Decode workers get cores of their own (their steps set TBT); prefill workers and the
+        # router share what is left, so neither ever preempts a decode step.
+        threads = args.threads or 1
+        n_dec = min(args.num_decode, max(1, len(cores) - 1))
+        dec_cores, rest = cores[len(cores) - n_dec:], cores[: len(cores) - n_dec] or cores
+        pins = [rest[i % len(rest)] for i in range(args.num_prefill)]
+        pins += [dec_cores[i % len(dec_cores)] for i in range(args.num_decode)]
+        router_core = rest[0]
+    if args.no_pin:
+        pins, router_core = [None] * len(pins), None
     worker = ["--router-address", control, "--host", "127.0.0.1", "--threads", str(threads), *_engine_args(args)]
-    children: list[tuple[str, list[str], int | None]] = [("router", router, None)]
+    children: list[tuple[str, list[str], int | None]] = [("router", router, router_core)]
     roles = [("decode", i) for i in range(args.num_decode)]
     if not args.colocated:
         roles = [("prefill", i) for i in range(args.num_prefill)] + roles
     for n, (role, i) in enumerate(roles):
-        core = None if args.no_pin or not cores else cores[n % len(cores)]
         cmd = [*base, role, *worker, "--health-port", "0", "--kv-port", "0", "--worker-id", f"{role}-{i}"]
         if role == "decode" and args.colocated:
             cmd += ["--mode", "colocated", "--policy", args.policy]
         else:
             cmd += ["--kv-transport", args.kv_transport if role == "decode" else "tcp,shm,cuda_ipc"]
-        children.append((f"{role}-{i}", cmd, core))
+        children.append((f"{role}-{i}", cmd, pins[n]))
     return children
 
 
