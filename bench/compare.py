@@ -12,9 +12,11 @@ import contextlib
 import logging
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -53,7 +55,11 @@ class Deployment:
         return cls(name.strip(), command.strip())
 
     def argv(self, port: int) -> list[str]:
-        return shlex.split(self.command.replace("{port}", str(port)))
+        argv = shlex.split(self.command.replace("{port}", str(port)))
+        if argv and argv[0] == "pdserve" and shutil.which("pdserve") is None:
+            # Run from a virtualenv that is not on PATH: use this interpreter's pdserve.
+            argv = [sys.executable, "-m", "engine.cli", *argv[1:]]
+        return argv
 
 
 class DeploymentError(RuntimeError):
