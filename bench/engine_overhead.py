@@ -18,6 +18,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.model import Linear
 from engine.sampling_params import SamplingParams
 from engine.weights import load_model
 
@@ -25,14 +26,15 @@ from engine.weights import load_model
 def bare_matmuls(engine: Engine, tokens: int, sampled_rows: int, repeats: int) -> float:
     """Median seconds of every weight matmul of the model for `tokens` tokens."""
     model = engine.runner.model
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head]
-    x = {w.shape[1]: torch.randn(tokens, w.shape[1]) for w in weights}
+    # The model's own weight tensors, in the layout it uses ([in, out] contiguous, see Linear).
+    weights = [m.weight.t() for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+    x = {w.shape[0]: torch.randn(tokens, w.shape[0]) for w in weights}
     head = torch.randn(sampled_rows, model.lm_head.weight.shape[1])
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         for w in weights:
-            torch.matmul(x[w.shape[1]], w.t())
+            torch.matmul(x[w.shape[0]], w)
         torch.matmul(head, model.lm_head.weight.t())
         times.append(time.perf_counter() - t)
     return statistics.median(times)

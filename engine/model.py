@@ -18,6 +18,22 @@ from engine.config import ModelConfig
 from kernels import AttentionBackend
 
 
+class Linear(nn.Module):
+    """y = x W^T, with W [out, in] stored transposed ([in, out] contiguous).
+
+    On the CPU, MKL runs the small-batch matmuls of decode steps about twice as fast against
+    this layout as F.linear against [out, in]; big prefill batches and CUDA do not care.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        assert not bias, "Llama projections have no bias"
+        self.weight = nn.Parameter(torch.empty(in_features, out_features).t())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -80,8 +96,8 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         h = config.hidden_size
         # One matmul for q, k and v: one pass over the activations instead of three.
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = Linear(self.q_size, h, bias=False)
 
     def forward(self, x, positions, rotary: RotaryEmbedding, meta: AttentionMetadata, kv_cache):
         t = x.shape[0]
@@ -112,8 +128,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -168,9 +184,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, backend, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        # Tied embeddings get a transposed copy here: the embedding lookup wants rows, the LM
+        # head's matmul wants the transposed layout (see Linear).
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -188,16 +204,16 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy a Hugging Face-named state dict in; raise ValueError naming missing/extra tensors."""
         state_dict = fuse_state_dict(state_dict)
+        if self.config.tie_word_embeddings:
+            state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
         own = self.state_dict()
-        expected = {k for k in own if not (self.config.tie_word_embeddings and k == "lm_head.weight")}
+        expected = set(own)
         missing = expected - state_dict.keys()
         extra = state_dict.keys() - own.keys() - {"lm_head.weight"}
         if missing or extra:
             raise ValueError(f"weights do not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}")
         with torch.no_grad():
             for name, tensor in state_dict.items():
-                if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                    continue
                 if own[name].shape != tensor.shape:
                     raise ValueError(f"{name}: expected shape {tuple(own[name].shape)}, file has {tuple(tensor.shape)}")
                 own[name].copy_(tensor)

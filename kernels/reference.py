@@ -69,18 +69,21 @@ class ReferenceBackend(AttentionBackend):
         group = hq // hkv
         max_len = int(seq_lens.max())
         num_blocks = (max_len + block_size - 1) // block_size
-        # Table padding of shorter sequences may hold any value (-1, stale ids): clamp it to a
-        # real block; the positions it covers are masked below.
+        length = num_blocks * block_size
+        # Slot of every (sequence, position) up to the longest sequence. Positions past a
+        # sequence's end (table padding: -1, stale ids) read the sequence's own position 0
+        # instead, a value really written (finite, unlike never-written slots); their scores
+        # are masked.
         table = block_tables[:, :num_blocks].long().clamp(0, k_cache.shape[0] - 1)
-        # [B, L, Hkv, D] -> [B, Hkv, L, D], L = num_blocks * block_size (padded past seq_len)
-        k = k_cache[table].reshape(batch, -1, hkv, d).transpose(1, 2).to(q.dtype)
-        v = v_cache[table].reshape(batch, -1, hkv, d).transpose(1, 2).to(q.dtype)
-        pad = torch.arange(k.shape[2], device=q.device).unsqueeze(0) >= seq_lens.unsqueeze(1)
-        # Slots past seq_len were never written (torch.empty: may be NaN/inf); a zero probability
-        # times NaN is still NaN, so zero the padded values too, not only their scores.
-        v = v.masked_fill(pad[:, None, :, None], 0)
-        qg = q.reshape(batch, hkv, group, d)
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, Hkv, G, L]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        return torch.matmul(probs, v).reshape(batch, hq, d)
+        pos = torch.arange(length, device=q.device)
+        slots = (table * block_size).repeat_interleave(block_size, dim=1) + pos % block_size  # [B, L]
+        pad = pos.unsqueeze(0) >= seq_lens.unsqueeze(1)
+        slots = torch.where(pad, slots[:, :1], slots).flatten()
+        # One gather per tensor, then [Hkv, B, L, D] so the batch dims collapse for matmul.
+        k = k_cache.view(-1, hkv, d).index_select(0, slots).view(batch, length, hkv, d).permute(2, 0, 1, 3).to(q.dtype)
+        v = v_cache.view(-1, hkv, d).index_select(0, slots).view(batch, length, hkv, d).permute(2, 0, 1, 3).to(q.dtype)
+        qg = q.reshape(batch, hkv, group, d).transpose(0, 1)  # [Hkv, B, G, D]
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [Hkv, B, G, L]
+        scores = scores + torch.zeros(pad.shape, device=q.device).masked_fill_(pad, float("-inf"))[None, :, None, :]
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, v).transpose(0, 1).reshape(batch, hq, d)
