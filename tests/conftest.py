@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# One thread: tests also start worker processes, and oversubscribed cores make torch's thread
+# pool collapse (20x slower) on a small shared machine.
+torch.set_num_threads(int(os.environ.get("PDSERVE_TEST_THREADS", "1")))
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +34,4 @@ def tiny(tiny_dir):
 
 # Triton decides compiled vs interpreted when it is first imported: without CUDA, interpret.
 if not torch.cuda.is_available():
-    import os
-
     os.environ.setdefault("TRITON_INTERPRET", "1")
