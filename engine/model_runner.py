@@ -46,6 +46,7 @@ class ModelRunner:
         )
         self.sampler = Sampler()
 
+    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> tuple[list[Request], SampleResult | None]:
         """Run one step; return the requests that sampled, in order, and their samples."""
         decodes = [s for s in scheduled if s.num_new_tokens == 1]

@@ -139,7 +139,13 @@ class Worker(ABC):
                 self._handle(work)
             self.poll_io()
             if self.engine.has_unfinished():
-                self._publish(self.engine.step())
+                try:
+                    outputs = self.engine.step()
+                except Exception:  # a bug must cost the requests in flight, not the worker
+                    log.exception("%s %s: engine step failed; failing the running requests", self.role, self.worker_id)
+                    self._fail_running("internal error in the engine step")
+                    outputs = []
+                self._publish(outputs)
                 self.after_step()
             else:
                 time.sleep(0.0005)
@@ -196,6 +202,12 @@ class Worker(ABC):
         if self._pending_events and self.link is not None:
             self.link.send_events(TokenEvents(worker_id=self.worker_id, events=tuple(self._pending_events)))
             self._pending_events = []
+
+    def _fail_running(self, message: str) -> None:
+        ids = [r.request_id for r in self.engine.scheduler.running]
+        self.engine.abort(ids)
+        for rid in ids:
+            self.emit(error_event(rid, message))
 
     def _fail_all(self, message: str) -> None:
         ids = list(self.engine.scheduler.requests)

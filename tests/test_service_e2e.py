@@ -247,3 +247,11 @@ def test_malformed_requests_get_4xx_envelopes_and_service_continues(disagg, body
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert ask_everything(disagg)["chat"] == oracle["chat"]
+
+
+def test_benchmark_extras_force_exact_output_length(disagg):
+    r = httpx.post(disagg.base_url + "/v1/completions", timeout=60, json={
+        "model": model_name(disagg), "prompt": PROMPT, "max_tokens": 20, "min_tokens": 20, "ignore_eos": True,
+        "temperature": 0.7, "seed": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 20
