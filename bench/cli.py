@@ -90,6 +90,8 @@ _RUN_OPTIONS: dict[str, list[tuple[str, Any, Any, str]]] = {
         ("--output-dir", str, "bench-results", "directory for summary.json, requests.jsonl and PNGs"),
         ("--no-plots", "flag", False, "skip the PNG plots"),
         ("--no-progress", "flag", False, "no progress bar"),
+        ("--client-cpus", str, None, "pin the load generator to these CPUs while it sends, e.g. '0' or '0,1' "
+                                     "(keeps it off the cores a local server's workers are pinned to)"),
     ],
 }
 
@@ -186,7 +188,8 @@ def plan_from_args(args: argparse.Namespace):
     return Plan(workload=workload, load=load, slo=SLO.parse(args.slo, from_intended=args.slo_from == "intended"),
                 base_url=args.base_url, api=api, model=args.model, api_key=args.api_key,
                 exact_output_len=not args.no_exact_output, workload_file=args.workload_file,
-                save_workload=args.save_workload, plots=not args.no_plots)
+                save_workload=args.save_workload, plots=not args.no_plots,
+                client_cpus=tuple(int(c) for c in args.client_cpus.split(",")) if args.client_cpus else None)
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,9 +48,24 @@ class Plan:
     workload_file: str | None = None  # read the requests from this JSONL instead of generating
     save_workload: str | None = None  # write the generated requests here
     plots: bool = True
+    # Pin the load generator to these CPUs while it sends (None: wherever the OS puts it), so a
+    # client on the same machine does not steal the cores the server's workers are pinned to.
+    client_cpus: tuple[int, ...] | None = None
 
     def with_target(self, base_url: str) -> Plan:
         return dataclasses.replace(self, base_url=base_url)
+
+
+def _pinned(cpus: tuple[int, ...] | None, fn):
+    """Run fn with this process pinned to `cpus`, restoring the affinity after."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return fn()
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, set(cpus))
+    try:
+        return fn()
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def specs_for(plan: Plan, rate: float | None = None) -> list[RequestSpec]:
@@ -85,7 +101,7 @@ def run_point(plan: Plan, out_dir: Path, rate: float | None = None, label: str =
     endpoint = Endpoint(base_url=plan.base_url, model=model, api=plan.api, api_key=plan.api_key,
                         exact_output_len=plan.exact_output_len)
     log.info("benchmark %s: %d requests against %s (%s)", label or "run", len(specs), plan.base_url, model)
-    result = run_load_sync(specs, endpoint, plan.load)
+    result = _pinned(plan.client_cpus, lambda: run_load_sync(specs, endpoint, plan.load))
     effective_rate = rate if rate is not None else plan.workload.request_rate
     if plan.workload_file and rate is None:
         effective_rate = math.nan  # the file's own arrival times
