@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-import engine.tokenizer as tokenizer_module
+import engine.chat_template as chat_template_module
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_files import default_gguf_path
 from engine.tokenizer import Tokenizer
@@ -261,7 +261,7 @@ def test_chat_template_raise_exception_is_a_value_error(tok):
 
 
 def test_chat_template_that_runs_away_is_stopped(tok, monkeypatch):
-    monkeypatch.setattr(tokenizer_module, "CHAT_TEMPLATE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(chat_template_module, "CHAT_TEMPLATE_TIMEOUT_S", 0.2)
     loops = (
         "{% for i in range(100000) %}{% for j in range(100000) %}{{ j }}{% endfor %}{% endfor %}"
     )
