@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,22 +21,9 @@ from bench.client import Api
 from bench.loadgen import LoadConfig, LoadMode
 from bench.metrics import SLO
 from bench.workloads import Arrival, WorkloadConfig, WorkloadKind
+from engine.envs import env_default
 
-_TRUE = {"1", "true", "yes", "on"}
-
-
-def _env(dest: str, default, conv=str):
-    """The default of option `dest`: PDSERVE_<DEST> when set (converted), else `default`."""
-    name = "PDSERVE_" + dest.upper()
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    if conv is bool:
-        return raw.strip().lower() in _TRUE
-    try:
-        return conv(raw)
-    except ValueError as e:
-        raise SystemExit(f"{name}={raw!r} is not valid for --{dest.replace('_', '-')}: {e}") from None
+_env = env_default
 
 
 def _rate(text: str) -> float:

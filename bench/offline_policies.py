@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from engine.cli import env_default
+from engine.envs import env_default
 from engine.policies import COLOCATED_POLICIES
 
 log = logging.getLogger(__name__)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from decode_node.worker import ColocatedWorker, DecodeWorker
-from engine.cli import env_default
 from engine.engine import Engine
+from engine.envs import env_default
 from engine.policies import COLOCATED_POLICIES
 from engine.worker_cli import add_worker_arguments, serve
 

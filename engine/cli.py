@@ -12,24 +12,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
+from engine.envs import env_default
 from engine.policies import COLOCATED_POLICIES
-
-
-def env_default(option: str, default):
-    """The default of `--option`: PDSERVE_OPTION from the environment, else `default`."""
-    value = os.environ.get("PDSERVE_" + option.upper().replace("-", "_"))
-    if value is None:
-        return default
-    if isinstance(default, bool):
-        return value.lower() in ("1", "true", "yes", "on")
-    if isinstance(default, int):
-        return int(value)
-    if isinstance(default, float):
-        return float(value)
-    return value
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

@@ -19,7 +19,8 @@ import time
 
 import httpx
 
-from engine.cli import add_engine_arguments, env_default
+from engine.cli import add_engine_arguments
+from engine.envs import env_default
 from engine.policies import COLOCATED_POLICIES
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from engine.cli import add_engine_arguments, engine_config_from_args, env_default
+from engine.cli import add_engine_arguments, engine_config_from_args
+from engine.envs import env_default
 from engine.worker import Worker, WorkerOptions
 
 log = logging.getLogger(__name__)

@@ -9,26 +9,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from typing import Any
+
+from engine.envs import env_default
 
 log = logging.getLogger(__name__)
 
 KV_TRANSPORTS = ("auto", "tcp", "shm", "cuda_ipc")
 
 
-def _env(option: str, default: Any) -> Any:
-    """PDSERVE_<OPTION> from the environment (converted to the default's type), else `default`."""
-    value = os.environ.get("PDSERVE_" + option.upper().replace("-", "_"))
-    if value is None or value == "":
-        return default
-    if isinstance(default, bool):
-        return value.lower() in ("1", "true", "yes", "on")
-    if isinstance(default, int):
-        return int(value)
-    if isinstance(default, float):
-        return float(value)
-    return value
+_env = env_default
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
