@@ -27,7 +27,7 @@ chat: $(STAMP)          ## one chat answer from the default model, offline
 	$(BIN)/pdserve chat "$(PROMPT)"
 
 test: $(STAMP)          ## the CI test suite
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
