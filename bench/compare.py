@@ -9,6 +9,7 @@ Results: one table, `compare.json`, and bar/CDF plots side by side.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shlex
@@ -199,3 +200,17 @@ def _compare_plots(results: dict[str, dict], records: dict[str, list], curves: d
     plots.cdf_plot({n: plots.tbts_ms(records[n]) for n in ok}, "TBT (ms)", "TBT CDF", out_dir / "compare_tbt_cdf.png")
     if curves:
         plots.attainment_vs_rate(curves, out_dir / "attainment_vs_rate.png", target)
+
+
+def replot(out_dir: Path, attainment_target: float = 0.9) -> None:
+    """Redraw a finished comparison's plots from its compare.json and requests.jsonl files."""
+    results = json.loads((out_dir / "compare.json").read_text())["deployments"]
+    records = {n: report.read_records(out_dir / n / "requests.jsonl") for n, s in results.items() if "error" not in s}
+    _compare_plots(results, records, {}, out_dir, attainment_target)
+
+
+if __name__ == "__main__":  # python -m bench.compare DIR...: redraw the plots of finished runs
+    import sys as _sys
+
+    for _d in _sys.argv[1:]:
+        replot(Path(_d))

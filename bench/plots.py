@@ -34,10 +34,16 @@ def cdf_plot(series: Mapping[str, Sequence[float]], xlabel: str, title: str, pat
              slo_ms: float | None = None) -> Path:
     """Empirical CDFs of one metric, one line per series (one per strategy when comparing)."""
     fig, ax = plt.subplots(figsize=(6, 4))
+    lows, highs = [], []
     for name, values in series.items():
         if len(values):
             xs = np.sort(np.asarray(values))
             ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=name)
+            lows.append(float(np.percentile(xs[xs > 0], 0.5)) if (xs > 0).any() else 1.0)
+            highs.append(xs.max())
+    if lows and max(highs) > 20 * min(lows):
+        ax.set_xscale("log")  # tails (the stalls) span decades: a linear axis hides them
+        ax.set_xlim(left=min(lows) / 1.5)
     if slo_ms is not None:
         ax.axvline(slo_ms, color="red", linestyle="--", label=f"SLO {slo_ms:g} ms")
     ax.set(xlabel=xlabel, ylabel="fraction of samples", title=title, ylim=(0, 1.02))
