@@ -64,6 +64,18 @@ class ReferenceBackend(AttentionBackend):
 
     def decode_attention(self, q, k_cache, v_cache, seq_lens, block_tables, scale) -> torch.Tensor:
         check_shapes(q, k_cache, v_cache)
+        # The padded gather below costs batch x longest: one long context in a batch of short ones
+        # would multiply everyone's work. Sequences of similar length go together instead.
+        groups = _length_groups(seq_lens.tolist())
+        if len(groups) == 1:
+            return self._decode_padded(q, k_cache, v_cache, seq_lens, block_tables, scale)
+        out = torch.empty_like(q)
+        for idx in groups:
+            i = torch.tensor(idx, device=q.device)
+            out[i] = self._decode_padded(q[i], k_cache, v_cache, seq_lens[i], block_tables[i], scale)
+        return out
+
+    def _decode_padded(self, q, k_cache, v_cache, seq_lens, block_tables, scale) -> torch.Tensor:
         batch, hq, d = q.shape
         _, block_size, hkv, _ = k_cache.shape
         group = hq // hkv
@@ -87,3 +99,16 @@ class ReferenceBackend(AttentionBackend):
         scores = scores + torch.zeros(pad.shape, device=q.device).masked_fill_(pad, float("-inf"))[None, :, None, :]
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         return torch.matmul(probs, v).transpose(0, 1).reshape(batch, hq, d)
+
+
+def _length_groups(lens: list[int], slack: float = 2.0) -> list[list[int]]:
+    """Indices grouped by length so that no group pads a sequence to more than `slack` x its own
+    length (sorted, split wherever the next length exceeds slack x the group's shortest)."""
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lens[i] <= slack * max(1, lens[groups[-1][0]]):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
