@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from engine.cli import add_engine_arguments, engine_config_from_args
 from engine.envs import env_default
@@ -57,7 +58,7 @@ def serve(worker_factory, args, policy: str = "chunked") -> int:
     try:
         worker: Worker = worker_factory(options, engine_config_from_args(args, policy))
     except ModelLoadError as exc:
-        print(f"pdserve: {exc}")
+        print(f"pdserve: {exc}", file=sys.stderr)
         return 2
     worker.install_signal_handlers()
     worker.start()
