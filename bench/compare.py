@@ -15,7 +15,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import httpx
 
 from bench import plots, report
 from bench.sweep import Plan, run_point, run_sweep
+from engine.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +65,6 @@ class Deployment:
 
 class DeploymentError(RuntimeError):
     """A deployment did not start or never became ready."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _log_tail(path: Path, n: int = 2000) -> str:

@@ -127,8 +127,4 @@ class ColocatedWorker(Worker):
         self.engine.add_request(work.request_id, list(work.token_ids), work.sampling, work.arrival_time or None)
 
 
-def make_engine(config, mode: str) -> Engine:
-    return Engine(config, "decode" if mode == "disaggregated" else "colocated")
-
-
-__all__ = ["ColocatedWorker", "DecodeWorker", "WorkerOptions", "make_engine"]
+__all__ = ["ColocatedWorker", "DecodeWorker", "WorkerOptions"]

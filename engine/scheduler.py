@@ -270,6 +270,3 @@ class Scheduler:
         if req is not None and req.block_ids:
             self.pool.free(req.block_ids)
             req.block_ids = []
-
-    def finish_prefilled(self, req: Request) -> None:
-        self._finish(req, RequestStatus.PREFILLED)

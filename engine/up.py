@@ -12,7 +12,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,17 +21,12 @@ import httpx
 from engine.cli import add_engine_arguments
 from engine.envs import env_default
 from engine.policies import COLOCATED_POLICIES
+from engine.ports import free_port
 
 log = logging.getLogger(__name__)
 
 FORWARDED = ("model", "device", "dtype", "block_size", "kv_cache_memory_gb", "max_model_len", "max_num_seqs",
              "max_num_batched_tokens", "attention_backend")
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def register(sub) -> None:

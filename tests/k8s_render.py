@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import re
 import shutil
-import socket
 import subprocess
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from engine.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 K8S_DIR = REPO / "k8s"
@@ -79,13 +80,6 @@ def labels_match(selector: dict[str, Any], labels: dict[str, str]) -> bool:
         if not ok:
             return False
     return True
-
-
-def free_port(host: str = LOCAL_HOST) -> int:
-    """A port the kernel just handed out on `host` (free unless someone races for it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True, slots=True)

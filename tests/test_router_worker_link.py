@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pickle
-import socket
 import time
 
 import httpx
 import pytest
 import zmq
 
+from engine.ports import free_port
 from engine.sampling_params import SamplingParams
 from kvtransfer.control import WorkerLink
 from kvtransfer.protocol import (
@@ -129,12 +129,6 @@ def test_link_stops_retrying_when_refused(raw_router):
         assert link.refused_reason == "bad model"
     finally:
         link.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_worker_registers_again_after_the_router_restarts():
