@@ -19,6 +19,7 @@ pytestmark = pytest.mark.timeout(60)
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50}
 SLOW = toks("Hello world") * 5
+LONG = toks("Hello world") * 100
 
 
 def sse_events(lines) -> list:
@@ -37,11 +38,20 @@ def pair():
         yield h, p, d
 
 
-def test_stream_disconnect_aborts_prefill_and_decode_within_2s(pair):
-    h, p, d = pair
+@pytest.fixture
+def long_pair():
+    """Workers whose stream lasts ~20 s: it cannot end on its own before the client leaves."""
+    with RouterHarness() as h:
+        p = h.worker("prefill-0", "prefill", script=LONG, delay=0.05)
+        d = h.worker("decode-0", "decode", script=LONG, delay=0.05)
+        yield h, p, d
+
+
+def test_stream_disconnect_aborts_prefill_and_decode_within_2s(long_pair):
+    h, p, d = long_pair
     with (
         httpx.Client(base_url=h.base_url, timeout=10) as c,
-        c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as r,
+        c.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 400, "stream": True}) as r,
     ):
         lines = r.iter_lines()
         while "Hel" not in next(lines):  # the first token has arrived
