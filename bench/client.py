@@ -16,8 +16,8 @@ from enum import Enum
 
 import httpx
 
-from bench.metrics import RequestRecord
-from bench.workloads import RequestSpec
+from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.workloads import RequestSpec
 
 log = logging.getLogger(__name__)
 

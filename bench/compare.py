@@ -24,9 +24,9 @@ from pathlib import Path
 
 import httpx
 
-from bench import plots, report
-from bench.sweep import Plan, run_point, run_sweep
-from engine.ports import free_port
+from pdserve.bench import plots, report
+from pdserve.bench.sweep import Plan, run_point, run_sweep
+from pdserve.config.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Deployment:
         argv = shlex.split(self.command.replace("{port}", str(port)))
         if argv and argv[0] == "pdserve" and shutil.which("pdserve") is None:
             # Run from a virtualenv that is not on PATH: use this interpreter's pdserve.
-            argv = [sys.executable, "-m", "engine.cli", *argv[1:]]
+            argv = [sys.executable, "-m", "pdserve.cli", *argv[1:]]
         return argv
 
 
@@ -203,7 +203,7 @@ def replot(out_dir: Path, attainment_target: float = 0.9) -> None:
     _compare_plots(results, records, {}, out_dir, attainment_target)
 
 
-if __name__ == "__main__":  # python -m bench.compare DIR...: redraw the plots of finished runs
+if __name__ == "__main__":  # python -m pdserve.bench.compare DIR...: redraw the plots of finished runs
     import sys as _sys
 
     for _d in _sys.argv[1:]:

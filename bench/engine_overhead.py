@@ -1,6 +1,6 @@
 """Engine overhead: decode step time and prefill throughput next to the model's bare matmuls.
 
-    python -m bench.engine_overhead [--threads 1] [--model default]
+    python -m pdserve.bench.engine_overhead [--threads 1] [--model default]
 
 For each case the same run times (a) one engine step through the scheduler, runner, paged
 attention and sampler, and (b) only the matmuls of the same model on the same number of tokens
@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.model import Linear
-from engine.sampling_params import SamplingParams
-from engine.weights import load_model
+from pdserve.config.engine import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.model.llama import Linear
+from pdserve.model.weights import load_model
+from pdserve.protocol.sampling import SamplingParams
 
 
 def bare_matmuls(engine: Engine, tokens: int, sampled_rows: int, repeats: int) -> float:

@@ -1,7 +1,7 @@
 """Attention kernel speed: achieved memory bandwidth as a fraction of the device's own peak.
 
-    python -m bench.kernel_bench [--batch 8] [--context-len 4096] [--prefill-len 2048] ...
-    python -m bench.kernel_bench --interpret     # tiny shapes through Triton's interpreter (CPU)
+    python -m pdserve.bench.kernel_bench [--batch 8] [--context-len 4096] [--prefill-len 2048] ...
+    python -m pdserve.bench.kernel_bench --interpret     # tiny shapes through Triton's interpreter (CPU)
 
 The peak is a device-to-device copy measured in the same run (read + write bytes / time). For
 each operation the Triton kernel and the PyTorch reference are timed on the same inputs; bytes
@@ -30,7 +30,7 @@ def _env(name: str, default: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m bench.kernel_bench", description=__doc__.split("\n")[0]
+        prog="python -m pdserve.bench.kernel_bench", description=__doc__.split("\n")[0]
     )
 
     def opt(name: str, default: str, kind: type, text: str) -> None:
@@ -99,9 +99,9 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
 
-    from kernels.reference import ReferenceBackend
-    from kernels.testing import make_case
-    from kernels.triton_backend import TritonBackend
+    from pdserve.kernels.reference import ReferenceBackend
+    from pdserve.kernels.testing import make_case
+    from pdserve.kernels.triton_backend import TritonBackend
 
     dtype = DTYPES[args.dtype]
     group = args.num_heads // args.num_kv_heads

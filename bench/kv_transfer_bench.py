@@ -1,6 +1,6 @@
 """KV transfer throughput per transport, next to a plain torch copy of the same bytes.
 
-    python -m bench.kv_transfer_bench [--sizes-mb 1,16,64] [--repeats 5] [--transports tcp,shm]
+    python -m pdserve.bench.kv_transfer_bench [--sizes-mb 1,16,64] [--repeats 5] [--transports tcp,shm]
 
 For each size, one sender and one receiver in this process (one host, loopback). "deliver" is
 send() until the receiver hands out the verified payload (staging copy, both checksums, the
@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from kvtransfer.kv_payload import scatter_blocks
-from kvtransfer.protocol import KVTransfer, ModelFingerprint
-from kvtransfer.tensors import checksum, describe
-from kvtransfer.transport import available_kinds, make_receiver, make_sender
+from pdserve.engine.kv_cache import scatter_blocks
+from pdserve.kvtransfer.tensors import checksum, describe
+from pdserve.kvtransfer.transport import available_kinds, make_receiver, make_sender
+from pdserve.protocol.messages import KVTransfer, ModelFingerprint
+from pdserve.protocol.sampling import SamplingParams
 
 # 16 layers x (K, V) x 16 tokens x 8 heads x 64 dims x 4 bytes = 1 MiB per block (float32).
 _FP = ModelFingerprint(

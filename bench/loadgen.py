@@ -30,9 +30,9 @@ import httpx
 import msgspec
 from tqdm import tqdm
 
-from bench.client import Clock, Endpoint, send_request
-from bench.metrics import RequestRecord
-from bench.workloads import RequestSpec
+from pdserve.bench.client import Clock, Endpoint, send_request
+from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.workloads import RequestSpec
 
 log = logging.getLogger(__name__)
 

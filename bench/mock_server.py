@@ -7,7 +7,7 @@ the rest wait, and the wait is reported as `usage.queue_time_ms`. A prompt conta
 `MOCK_HTTP_500` is answered with HTTP 500; one containing `MOCK_CUT_STREAM` has its connection
 dropped half way through the stream.
 
-    python -m bench.mock_server --port 8123 --ttft-ms 50 --tbt-ms 10 --tokens-per-chunk 2
+    python -m pdserve.bench.mock_server --port 8123 --ttft-ms 50 --tbt-ms 10 --tokens-per-chunk 2
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def launch(*args: str, host: str = "127.0.0.1", ready_timeout_s: float = 20.0) -
     base_url = f"http://{host}:{port}"
     # A file, not a pipe: a pipe nobody reads would block the server once full.
     with tempfile.TemporaryFile() as err_file:
-        proc = subprocess.Popen([sys.executable, "-m", "bench.mock_server", "--host", host, "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.bench.mock_server", "--host", host, "--port", str(port),
                                  *args], cwd=root, stdout=subprocess.DEVNULL, stderr=err_file)
         try:
             _wait_ready(proc, base_url, err_file, ready_timeout_s)
@@ -197,7 +197,7 @@ def _env(name: str, default):
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.mock_server", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.mock_server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default=_env("host", "127.0.0.1"))
     p.add_argument("--port", type=int, default=_env("port", 8000))

@@ -1,6 +1,6 @@
 """Offline comparison of the colocated batching policies on one mixed workload, in one process.
 
-    python -m bench.offline_policies [--rate 1.0] [--num-requests 24] [--policies static,chunked] [--json out.json]
+    python -m pdserve.bench.offline_policies [--rate 1.0] [--num-requests 24] [--policies static,chunked] [--json out.json]
 
 The workload is short prompts with a long one every `--long-every`-th request, released into the
 engine in real time at a fixed rate (`LLM.generate(..., arrival_offsets=...)`). Every policy runs
@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from engine.envs import env_default
-from engine.policies import COLOCATED_POLICIES
+from pdserve.config.env import env_default
+from pdserve.config.names import COLOCATED_POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,8 @@ def run_policy(
     loaded, policy: str, work: Workload, max_num_batched_tokens: int, block_size: int
 ) -> PolicyResult:
     """One measured pass of the workload under `policy` on a fresh engine."""
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.llm import LLM
+    from pdserve.protocol.sampling import SamplingParams
 
     prompts, offsets = work.build(loaded.config.vocab_size)
     longest = max(len(p) for p in prompts) + work.output_len
@@ -157,7 +157,7 @@ COLUMNS = [
 
 
 def format_results(results: list[PolicyResult]) -> str:
-    from bench.report import format_table
+    from pdserve.bench.report import format_table
 
     return format_table(
         [h for h, _ in COLUMNS], [[getattr(r, f) for _, f in COLUMNS] for r in results]
@@ -176,7 +176,7 @@ def _policies(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     d = Workload()
     p = argparse.ArgumentParser(
-        prog="python -m bench.offline_policies",
+        prog="python -m pdserve.bench.offline_policies",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     import torch
 
-    from engine.weights import load_model
+    from pdserve.model.weights import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             {r.policy: r.tokens_digest for r in results},
         )
     if args.json:
-        from bench.report import write_json
+        from pdserve.bench.report import write_json
 
         write_json(
             args.json,

@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.metrics import RequestRecord, tbt_gaps  # noqa: E402
+from pdserve.bench.metrics import RequestRecord, tbt_gaps  # noqa: E402
 
 
 def ttfts_ms(records: Sequence[RequestRecord]) -> list[float]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import msgspec
 
-from bench.metrics import RequestRecord
+from pdserve.bench.metrics import RequestRecord
 
 _record_encoder = msgspec.json.Encoder()
 _record_decoder = msgspec.json.Decoder(RequestRecord)

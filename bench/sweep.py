@@ -17,11 +17,11 @@ from pathlib import Path
 
 import httpx
 
-from bench import plots, report
-from bench.client import Api, Endpoint, default_model
-from bench.loadgen import LoadConfig, LoadMode, run_load_sync
-from bench.metrics import SLO, RunInfo, summarize
-from bench.workloads import (
+from pdserve.bench import plots, report
+from pdserve.bench.client import Api, Endpoint, default_model
+from pdserve.bench.loadgen import LoadConfig, LoadMode, run_load_sync
+from pdserve.bench.metrics import SLO, RunInfo, summarize
+from pdserve.bench.workloads import (
     RequestSpec,
     WorkloadConfig,
     build_workload,

@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-from decode_node.worker import ColocatedWorker, DecodeWorker
-from engine.engine import Engine
-from engine.envs import env_default
-from engine.policies import COLOCATED_POLICIES
-from engine.worker_cli import add_worker_arguments, serve
-
-
-def _factory(mode: str):
-    def make(opts, cfg):
-        if mode == "disaggregated":
-            return DecodeWorker(opts, Engine(cfg, "decode"))
-        return ColocatedWorker(opts, Engine(cfg, "colocated"))
-
-    return make
+from pdserve.config.engine import add_policy_arguments
+from pdserve.config.env import env_default
+from pdserve.config.names import COLOCATED_POLICIES
+from pdserve.config.worker import add_worker_arguments
+from pdserve.worker.serve import serve
 
 
 def register(sub) -> None:
@@ -24,9 +15,17 @@ def register(sub) -> None:
                                    "prefill workers. With --mode colocated it takes raw prompts and prefills "
                                    "them itself under --policy (the baseline).")
     p.add_argument("--mode", default=env_default("mode", "disaggregated"), choices=["disaggregated", "colocated"])
-    p.add_argument("--policy", default=env_default("policy", "chunked"), choices=list(COLOCATED_POLICIES),
-                   help="batching policy in colocated mode")
-    p.add_argument("--waiting-served-ratio", type=float, default=env_default("waiting-served-ratio", 0.0),
-                   help="TGI's ratio: prompts interrupt decoding only when waiting >= ratio * running")
+    add_policy_arguments(p, COLOCATED_POLICIES)
     add_worker_arguments(p, kv_port=5601, health_port=8102, transports="tcp")
-    p.set_defaults(func=lambda a: serve(_factory(a.mode), a, a.policy))
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    # torch and the model runtime load only when a worker runs, not for --help
+    if args.mode == "disaggregated":
+        from pdserve.decode_node.worker import DecodeWorker
+
+        return serve(DecodeWorker.create, args)
+    from pdserve.worker.colocated import ColocatedWorker
+
+    return serve(ColocatedWorker.create, args)

@@ -2,10 +2,10 @@
 
 KV arrival:  ReceivedKV -> refused (bad checksum / fingerprint / shape) -> NACK + error event
                         -> aborted meanwhile -> NACK
-                        -> no room yet -> wait (until the sender's lease runs out)
-                        -> copy into our blocks, lease still valid -> ACK; the request joins the
-                           next decode step
-Colocated mode (`ColocatedWorker`) takes raw prompts and prefills them itself under a policy.
+                        -> its request queued, the KV kept by the DecodeConnector
+                           -> admitted: blocks allocated, KV loaded before the step runs -> ACK
+                           -> no room before the sender's lease runs out -> NACK + error event
+The engine runs the decode-only policy: every step is one token per running request.
 """
 
 from __future__ import annotations
@@ -14,10 +14,16 @@ import logging
 import time
 from dataclasses import replace
 
-from engine.engine import Engine
-from engine.worker import Worker, WorkerOptions, error_event
-from kvtransfer.protocol import GenerateRequest
-from kvtransfer.transport import KVReceiver, ReceivedKV, make_receiver
+from pdserve.config.engine import EngineConfig
+from pdserve.config.names import DECODE_ONLY
+from pdserve.config.worker import WorkerOptions
+from pdserve.engine.engine import Engine, RequestRejected
+from pdserve.engine.kv_connector import KVConnector
+from pdserve.kvtransfer.connector import DecodeConnector
+from pdserve.kvtransfer.transport import KVReceiver, ReceivedKV, make_receiver
+from pdserve.model.weights import LoadedModel, load_model
+from pdserve.protocol.messages import ModelFingerprint
+from pdserve.worker.loop import Worker, error_event, model_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -27,15 +33,24 @@ TOMBSTONE_SECONDS = 120.0
 class DecodeWorker(Worker):
     role = "decode"
 
-    def __init__(self, options: WorkerOptions, engine: Engine) -> None:
+    @classmethod
+    def create(cls, options: WorkerOptions, config: EngineConfig, loaded: LoadedModel | None = None) -> DecodeWorker:
+        """A decode worker: decode-only steps, and a connector that loads arriving KV."""
+        config = replace(config, policy=DECODE_ONLY)
+        loaded = loaded or load_model(config.model)
+        connector = DecodeConnector()
+        engine = Engine(config, loaded, KVConnector(connector, connector))
+        return cls(options, engine, model_fingerprint(config, loaded), connector)
+
+    def __init__(self, options: WorkerOptions, engine: Engine, fingerprint: ModelFingerprint,
+                 connector: DecodeConnector) -> None:
         # The receiver serves its own kind and inline tcp (the fallback from another host).
         options = replace(options, kv_transports=tuple(dict.fromkeys((*options.kv_transports, "tcp"))))
-        super().__init__(options, engine)
-        kind = options.kv_transports[0]
+        super().__init__(options, engine, fingerprint)
+        self.kv_in = connector
         self.receiver: KVReceiver = make_receiver(
-            kind, f"tcp://{options.host}:{options.kv_port}", fingerprint=self.fingerprint
+            options.kv_transports[0], f"tcp://{options.host}:{options.kv_port}", fingerprint=fingerprint
         )
-        self.waiting_kv: list[ReceivedKV] = []
         self.aborted: dict[str, float] = {}  # aborts that may precede their KV
         self.kv_refused = 0
 
@@ -46,85 +61,68 @@ class DecodeWorker(Worker):
     def accept(self, work) -> None:
         raise ValueError(f"a disaggregated decode worker takes KV transfers, not {type(work).__name__}")
 
-    def busy(self) -> bool:
-        return self.engine.has_unfinished() or bool(self.waiting_kv)
-
     def abort(self, request_ids) -> None:
-        self.engine.abort(request_ids)
+        self.engine.abort(request_ids)  # the connector NACKs a transfer its request had not loaded
         now = time.monotonic()
         for rid in request_ids:
             self.aborted[rid] = now
-        for rkv in [r for r in self.waiting_kv if r.meta.request_id in request_ids]:
-            self.waiting_kv.remove(rkv)
-            self.receiver.ack(rkv.meta.request_id, False, "aborted")
         if len(self.aborted) > 10_000:
             self.aborted = {r: t for r, t in self.aborted.items() if now - t < TOMBSTONE_SECONDS}
+        self._send_acks()
 
     def poll_io(self) -> None:
         for rkv in self.receiver.poll():
             rid = rkv.meta.request_id
             if not rkv.ok:
-                log.warning("request %s: KV refused: %s", rid, rkv.reason)
-                self.kv_refused += 1
-                self.receiver.ack(rid, False, rkv.reason)
-                self.emit(error_event(rid, f"KV transfer refused: {rkv.reason}"))
+                self._refuse(rkv, rkv.reason)
             elif rid in self.aborted:
                 self.receiver.ack(rid, False, "aborted")
             else:
-                self.waiting_kv.append(rkv)
-        for rkv in list(self.waiting_kv):
-            self._admit(rkv)
-
-    def _admit(self, rkv: ReceivedKV) -> None:
-        meta = rkv.meta
-        rid = meta.request_id
-        try:
-            admitted = self.engine.add_prefilled(
-                rid, list(meta.prompt_token_ids), list(meta.output_token_ids), meta.sampling,
-                rkv.payload, meta.arrival_time or None,
-            )
-        except ValueError as exc:
-            self.waiting_kv.remove(rkv)
-            self.receiver.ack(rid, False, str(exc))
-            self.emit(error_event(rid, f"KV transfer refused: {exc}"))
-            return
-        if not admitted:
-            if not rkv.within_lease():
-                self.waiting_kv.remove(rkv)
-                self.receiver.ack(rid, False, "no KV space on the decode worker")
-                self.emit(error_event(rid, "decode worker out of KV space"))
-            return
-        self.waiting_kv.remove(rkv)
-        if not rkv.within_lease():  # the sender may have reused the region while we copied
+                self._queue(rkv)
+        for rid in self.kv_in.expired():
+            self.kv_in.give_up(rid, "no KV space on the decode worker")
             self.engine.abort([rid])
-            self.receiver.ack(rid, False, "lease expired")
-            self.emit(error_event(rid, "KV transfer lease expired"))
+            self.emit(error_event(rid, "decode worker out of KV space"))
+        self._send_acks()
+
+    def after_step(self) -> None:
+        self._send_acks()  # the prefill worker frees its blocks on the ACK: send it at once
+
+    def _queue(self, rkv: ReceivedKV) -> None:
+        """The transferred request joins the waiting queue; its KV loads when it is admitted."""
+        meta = rkv.meta
+        num_tokens = len(meta.prompt_token_ids) + len(meta.output_token_ids)
+        if not 0 < meta.num_computed_tokens < num_tokens:
+            self._refuse(rkv, f"num_computed_tokens {meta.num_computed_tokens} must be in [1, {num_tokens})")
             return
-        self.kv_bytes_received += meta.tensor.nbytes
-        self.receiver.ack(rid, True)
+        self.kv_in.expect(rkv)
+        try:
+            self.engine.add_request(meta.request_id, list(meta.prompt_token_ids), meta.sampling,
+                                    meta.arrival_time or None, output_token_ids=list(meta.output_token_ids))
+        except (RequestRejected, ValueError) as exc:
+            self.kv_in.arrived.pop(meta.request_id, None)
+            self._refuse(rkv, str(exc))
+
+    def _refuse(self, rkv: ReceivedKV, reason: str) -> None:
+        rid = rkv.meta.request_id
+        log.warning("request %s: KV refused: %s", rid, reason)
+        self.kv_refused += 1
+        self.receiver.ack(rid, False, reason)
+        self.emit(error_event(rid, f"KV transfer refused: {reason}"))
+
+    def _send_acks(self) -> None:
+        for result in self.kv_in.take_results():
+            self.receiver.ack(result.request_id, result.ok, result.reason)
+
+    def kv_counters(self) -> tuple[int, int, float]:
+        return 0, self.kv_in.bytes_received, 0.0
 
     def info(self) -> dict:
-        return super().info() | {"kv_refused": self.kv_refused, "kv_waiting": len(self.waiting_kv),
+        return super().info() | {"kv_refused": self.kv_refused, "kv_waiting": len(self.kv_in.arrived),
                                  "receiver": self.receiver.stats()}
 
     def close_io(self) -> None:
-        for rkv in self.waiting_kv:
-            self.receiver.ack(rkv.meta.request_id, False, "decode worker shutting down")
+        for rid in list(self.kv_in.arrived):
+            self.kv_in.give_up(rid, "decode worker shutting down")
+        self._send_acks()
         self.receiver.close()
-
-
-class ColocatedWorker(Worker):
-    """Prefill and decode in one engine, under a batching policy: the baseline and the fallback."""
-
-    role = "colocated"
-
-    def kv_address(self) -> str:
-        return ""
-
-    def accept(self, work) -> None:
-        if not isinstance(work, GenerateRequest):
-            raise ValueError(f"a colocated worker takes generate requests, not {type(work).__name__}")
-        self.engine.add_request(work.request_id, list(work.token_ids), work.sampling, work.arrival_time or None)
-
-
-__all__ = ["ColocatedWorker", "DecodeWorker", "WorkerOptions"]

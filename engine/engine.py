@@ -1,10 +1,8 @@
-"""The engine loop both worker kinds run: drain inputs -> schedule -> run -> postprocess.
+"""The engine every worker runs: schedule -> load KV -> run the model -> update; then save KV.
 
-Roles:
-    colocated  prompts in, every token out (any policy from engine/policies.py)
-    prefill    prompts in, first token out; the request's blocks are then held for the hand-off
-               (`take_prefilled`, `export_kv`, `release`)
-    decode     prefilled requests in (`add_prefilled` with their KV), decode steps only
+An engine is a policy (engine/policies.py) plus a KV connector (engine/kv_connector.py). It never
+knows which kind of worker it is in: a colocated worker plugs in no connector, a prefill and a
+decode worker the two halves of a hand-off (kvtransfer/connector.py).
 """
 
 from __future__ import annotations
@@ -13,22 +11,21 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-import torch
-
-from engine.block_pool import BlockPool
-from engine.config import EngineConfig
-from engine.model_runner import ModelRunner, kv_block_bytes
-from engine.policies import make_policy
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.weights import LoadedModel, load_model
+from pdserve.config.engine import EngineConfig
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv_cache import kv_block_bytes
+from pdserve.engine.kv_connector import KVConnector, KVSave
+from pdserve.engine.policies import make_policy
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.model.config import ModelConfig, torch_dtype
+from pdserve.model.weights import LoadedModel, load_model
+from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-ROLES = ("colocated", "prefill", "decode")
-
 
 class RequestRejected(ValueError):
     """A request the engine cannot take (too long, bad parameters); `param` names the field."""
@@ -51,6 +48,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     position: int = 0  # index in the request's output of new_token_ids[0]
+    # The request's work here is done but it goes on elsewhere: the connector holds its KV.
+    kv_held: bool = False
 
     @property
     def finished(self) -> bool:
@@ -67,6 +66,16 @@ class StepStats:
     num_preempted: int
 
 
+class EngineLoad(NamedTuple):
+    """What a worker's heartbeat reports of its engine."""
+
+    free_blocks: int
+    total_blocks: int
+    queued_prefill_tokens: int
+    running: int
+    waiting: int
+
+
 @dataclass(slots=True)
 class EngineCounters:
     steps: int = 0
@@ -77,56 +86,61 @@ class EngineCounters:
     recent_steps: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
+def context_length(config: EngineConfig, model: ModelConfig) -> int:
+    """The longest sequence an engine runs: the config's cap, within the model's own context."""
+    return min(config.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+
+
 class Engine:
-    def __init__(self, config: EngineConfig, role: str = "colocated", loaded: LoadedModel | None = None) -> None:
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    """One model, its KV cache, a scheduler under a policy, and a KV connector."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 connector: KVConnector | None = None) -> None:
         self.config = config
-        self.role = role
         loaded = loaded or load_model(config.model)
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = tuple(loaded.tokenizer.stop_token_ids)
-        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
+        self.max_model_len = context_length(config, loaded.config)
         num_blocks = config.num_kv_blocks or max(
-            1, int(config.kv_cache_memory_gb * 2**30) // kv_block_bytes(loaded.config, config.block_size, config.torch_dtype)
+            1, int(config.kv_cache_memory_gb * 2**30) // kv_block_bytes(loaded.config, config.block_size,
+                                                                         torch_dtype(config.dtype))
         )
-        policy = make_policy("decode-only" if role == "decode" else "chunked" if role == "prefill" else config.policy)
-        budget = config.max_num_batched_tokens
-        if not policy.chunks_prompts and role == "colocated":
-            budget = max(budget, self.max_model_len)  # whole prompts must fit one step
+        policy = make_policy(config.policy)
+        self.connector = connector or KVConnector.none()
         self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=budget,
+                max_num_batched_tokens=policy.token_budget(config.max_num_batched_tokens, self.max_model_len),
                 max_model_len=self.max_model_len,
                 waiting_served_ratio=config.waiting_served_ratio,
-                prefill_only=role == "prefill",
             ),
             self.pool,
             policy,
+            self.connector.scheduler,
         )
         self.runner = ModelRunner(config, loaded.config, loaded.state_dict, self.max_model_len, num_blocks)
         self.counters = EngineCounters()
-        self._prefilled: list[Request] = []
-        log.info("engine up: role=%s policy=%s model=%s blocks=%d x %d device=%s dtype=%s",
-                 role, policy.name, self.model_name, num_blocks, config.block_size, config.device, config.dtype)
+        self._saves: list[KVSave] = []
+        log.info("engine up: policy=%s connector=%s model=%s blocks=%d x %d device=%s dtype=%s",
+                 policy.name, type(self.connector.scheduler).__name__, self.model_name, num_blocks,
+                 config.block_size, config.device, config.dtype)
 
     # --- requests in -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    arrival_time: float | None = None) -> Request:
-        """Queue a prompt (colocated and prefill roles). Raises RequestRejected for bad input."""
-        if self.role == "decode":
-            raise RequestRejected("role", "a decode worker takes prefilled requests only")
-        self._check(prompt_token_ids, sampling)
+                    arrival_time: float | None = None, output_token_ids: list[int] | None = None) -> Request:
+        """Queue a request; `output_token_ids` are tokens it already generated elsewhere.
+        Raises RequestRejected for bad input, ValueError for an id already in use."""
+        self._check(prompt_token_ids, sampling, len(output_token_ids or ()))
         req = Request(request_id, list(prompt_token_ids), sampling, self.eos_token_ids,
                       arrival_time=arrival_time or time.time())
+        req.token_ids.extend(output_token_ids or ())
         self.scheduler.add_request(req)
         return req
 
-    def _check(self, prompt: list[int], sampling: SamplingParams) -> None:
+    def _check(self, prompt: list[int], sampling: SamplingParams, num_output: int = 0) -> None:
         if not prompt:
             raise RequestRejected("prompt", "the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -136,32 +150,13 @@ class Engine:
             sampling.validate(vocab)
         except ValueError as exc:
             raise RequestRejected(getattr(exc, "param", "sampling"), str(exc)) from None
-        if len(prompt) >= self.max_model_len:
+        if len(prompt) + num_output >= self.max_model_len:
             raise RequestRejected("prompt", f"the prompt has {len(prompt)} tokens; this model's context is {self.max_model_len}")
-        if -(-(len(prompt) + 1) // self.pool.block_size) > self.pool.num_blocks:
+        if -(-(len(prompt) + num_output + 1) // self.pool.block_size) > self.pool.num_blocks:
             raise RequestRejected("prompt", "the prompt does not fit in this worker's KV cache")
-
-    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-                      sampling: SamplingParams, kv_payload: torch.Tensor, arrival_time: float | None = None) -> bool:
-        """Decode role: take a request whose first `len(prompt)` tokens' KV is `kv_payload`
-        ([L, 2, n, S, Hkv, D]). Returns False (nothing held) when the cache has no room now."""
-        n_blocks = kv_payload.shape[2]
-        if n_blocks > self.pool.num_available:
-            return False
-        blocks = self.pool.allocate(n_blocks)
-        self.runner.kv_cache[:, :, blocks] = kv_payload.to(self.runner.kv_cache.device, self.runner.kv_cache.dtype)
-        req = Request(request_id, list(prompt_token_ids), sampling, self.eos_token_ids,
-                      arrival_time=arrival_time or time.time())
-        req.token_ids.extend(output_token_ids)
-        req.num_computed_tokens = len(prompt_token_ids)
-        req.block_ids = blocks
-        req.timing.token_times.extend([time.time()] * len(output_token_ids))
-        self.scheduler.add_request(req)
-        return True
 
     def abort(self, request_ids) -> list[RequestOutput]:
         done = self.scheduler.abort(request_ids)
-        self._prefilled = [r for r in self._prefilled if r.status is RequestStatus.PREFILLED]
         return [RequestOutput(r.request_id, [], "abort", num_prompt_tokens=r.num_prompt_tokens) for r in done]
 
     # --- one step --------------------------------------------------------------------------
@@ -176,28 +171,46 @@ class Engine:
             if r.status is RequestStatus.FINISHED_LENGTH:
                 outputs.append(RequestOutput(r.request_id, [], "length", num_prompt_tokens=r.num_prompt_tokens,
                                              position=r.num_output_tokens))
+        if out.kv.loads:
+            failures = self.connector.worker.load(out.kv.loads, self.runner)
+            for r in self.scheduler.fail(out, failures):
+                outputs.append(RequestOutput(r.request_id, [], "error", num_prompt_tokens=r.num_prompt_tokens,
+                                             error=r.error, position=r.num_output_tokens))
         if out.empty:
             return outputs
         samplers, result = self.runner.execute(out.scheduled)
         sampled = {r.request_id: t for r, t in zip(samplers, result.token_ids, strict=True)} if result else {}
         now = time.time()
-        self.scheduler.update(out, sampled, now)
+        self.scheduler.update(out, sampled)
+        held = self.scheduler.held
         for i, req in enumerate(samplers):
             if req.status is RequestStatus.FINISHED_ABORTED:
                 continue
             lp = top = None
             if result is not None and result.logprobs is not None and req.sampling.logprobs is not None:
                 lp, top = [result.logprobs[i]], [result.top_logprobs[i]]  # type: ignore[index]
-            reason = req.status.value if req.status.finished and req.status is not RequestStatus.PREFILLED else None
+            kv_held = req.request_id in held
+            reason = req.status.value if req.status.finished and not kv_held else None
             outputs.append(RequestOutput(req.request_id, [req.token_ids[-1]], reason, lp, top,
                                          req.num_prompt_tokens, req.num_cached_tokens,
-                                         position=req.num_output_tokens - 1))
-            if req.status is RequestStatus.PREFILLED:
-                self._prefilled.append(req)
-        self._record(start, now, out, len(samplers))
+                                         position=req.num_output_tokens - 1, kv_held=kv_held))
+        self._saves.extend(out.kv.saves)
+        self._record(start, now, out)
         return outputs
 
-    def _record(self, start: float, end: float, out, batch: int) -> None:
+    def save_kv(self) -> None:
+        """Hand the KV of requests held this step to the connector (after their outputs are out,
+        so that a first token never waits for its KV transfer)."""
+        saves, self._saves = self._saves, []
+        live = [s for s in saves if s.request.request_id in self.scheduler.held]
+        if live:
+            self.connector.worker.save(live, self.runner)
+
+    def reclaim(self) -> None:
+        """Free the blocks the connector has released (called between steps, even when idle)."""
+        self.scheduler.reclaim()
+
+    def _record(self, start: float, end: float, out: SchedulerOutput) -> None:
         c = self.counters
         c.steps += 1
         c.prefill_tokens += out.num_prefill_tokens
@@ -207,24 +220,19 @@ class Engine:
         c.recent_steps.append(StepStats(start, end - start, out.num_prefill_tokens, out.num_decode_tokens,
                                         len(out.scheduled), len(out.preempted)))
 
-    # --- prefill hand-off ------------------------------------------------------------------
-    def take_prefilled(self) -> list[Request]:
-        """Prefill role: requests whose first token is out and whose KV waits to be shipped."""
-        out, self._prefilled = self._prefilled, []
-        return out
+    # --- what workers report ---------------------------------------------------------------
+    def request_ids(self, *, running_only: bool = False) -> list[str]:
+        """Ids of the running requests, or of every request this engine still holds anything of."""
+        if running_only:
+            return [r.request_id for r in self.scheduler.running]
+        return list(self.scheduler.requests)
 
-    def export_kv(self, req: Request) -> torch.Tensor:
-        """A contiguous copy of the request's blocks: [L, 2, n, S, Hkv, D]."""
-        return self.runner.kv_cache[:, :, req.block_ids].contiguous()
+    def load(self) -> EngineLoad:
+        s = self.scheduler
+        return EngineLoad(self.pool.num_available, self.pool.num_blocks, s.num_waiting_tokens,
+                          len(s.running), len(s.waiting))
 
-    def release(self, request_id: str) -> None:
-        self.scheduler.release_handoff(request_id)
-
-    # --- load ------------------------------------------------------------------------------
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+    def cache_stats(self) -> dict[str, int]:
+        p = self.pool
+        return {"free_blocks": p.num_free, "cached_blocks": p.num_cached, "used_blocks": p.num_used,
+                "total_blocks": p.num_blocks}

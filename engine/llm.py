@@ -14,10 +14,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.sampling_params import SamplingParams
-from engine.weights import LoadedModel
+from pdserve.config.engine import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.model.weights import LoadedModel
+from pdserve.protocol.sampling import SamplingParams
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
@@ -49,7 +49,7 @@ class LLM:
     def __init__(self, model: str = "default", *, loaded: LoadedModel | None = None,
                  config: EngineConfig | None = None, **engine_kwargs: Any) -> None:
         self.config = config or EngineConfig(model=model, **engine_kwargs)
-        self.engine = Engine(self.config, "colocated", loaded)
+        self.engine = Engine(self.config, loaded)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 

@@ -15,13 +15,25 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from engine.request import Request
-from engine.scheduler import Scheduler, Step
+from pdserve.config import names
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler import Scheduler, Step
 
 
 class Policy(ABC):
     name = "abstract"
     chunks_prompts = False
+
+    def token_budget(self, budget: int, max_model_len: int) -> int:
+        """The step budget this policy runs with: a whole-prompt policy must fit any prompt."""
+        return budget if self.chunks_prompts else max(budget, max_model_len)
+
+    def check_token_budget(self, budget: int, max_model_len: int) -> None:
+        if self.token_budget(budget, max_model_len) != budget:
+            raise ValueError(
+                f"policy {self.name!r} admits whole prompts, so max_num_batched_tokens "
+                f"({budget}) must be at least max_model_len ({max_model_len})"
+            )
 
     @abstractmethod
     def schedule(self, s: Scheduler, step: Step) -> None:
@@ -64,7 +76,7 @@ class Policy(ABC):
 
 
 class ChunkedPolicy(Policy):
-    name = "chunked"
+    name = names.CHUNKED
     chunks_prompts = True
 
     def schedule(self, s: Scheduler, step: Step) -> None:
@@ -74,7 +86,7 @@ class ChunkedPolicy(Policy):
 
 
 class MixedPolicy(Policy):
-    name = "mixed"
+    name = names.MIXED
 
     def schedule(self, s: Scheduler, step: Step) -> None:
         self.schedule_decodes(s, step)
@@ -83,7 +95,7 @@ class MixedPolicy(Policy):
 
 
 class PrefillFirstPolicy(Policy):
-    name = "prefill-first"
+    name = names.PREFILL_FIRST
 
     def schedule(self, s: Scheduler, step: Step) -> None:
         if s.waiting and self.prompts_may_interrupt(s):
@@ -96,7 +108,7 @@ class PrefillFirstPolicy(Policy):
 class StaticPolicy(Policy):
     """A batch forms only when the previous one has fully drained; nobody joins it midway."""
 
-    name = "static"
+    name = names.STATIC
 
     def __init__(self) -> None:
         self.batch: set[str] = set()
@@ -118,7 +130,7 @@ class StaticPolicy(Policy):
 class DecodeOnlyPolicy(Policy):
     """Disaggregated decode: requests arrive with their KV; every step is decode tokens only."""
 
-    name = "decode-only"
+    name = names.DECODE_ONLY
     chunks_prompts = True
 
     def schedule(self, s: Scheduler, step: Step) -> None:
@@ -129,7 +141,6 @@ class DecodeOnlyPolicy(Policy):
 POLICIES: dict[str, type[Policy]] = {
     p.name: p for p in (StaticPolicy, PrefillFirstPolicy, MixedPolicy, ChunkedPolicy, DecodeOnlyPolicy)
 }
-COLOCATED_POLICIES = ("static", "prefill-first", "mixed", "chunked")
 
 
 def make_policy(name: str) -> Policy:

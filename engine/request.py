@@ -1,4 +1,4 @@
-"""A request as the scheduler sees it: its tokens, how many are computed, its blocks, its timing.
+"""A request as the scheduler sees it: its tokens, how many are computed, its blocks, its status.
 
     token_ids   = prompt_token_ids + output_token_ids
     0 .............. num_computed_tokens-1 | num_computed_tokens ......... num_tokens-1
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -27,7 +27,6 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
-    PREFILLED = "prefilled"  # prefill role: first token sampled, KV held for the hand-off
 
     @property
     def finished(self) -> bool:
@@ -39,18 +38,7 @@ _FINISHED = {
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
     RequestStatus.FINISHED_ERROR,
-    RequestStatus.PREFILLED,
 }
-
-
-@dataclass(slots=True)
-class RequestTiming:
-    """Wall-clock events (time.time()) that feed TTFT/TBT metrics."""
-
-    arrival: float
-    first_scheduled: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    finished: float | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -72,12 +60,10 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     generator: torch.Generator | None = None
-    timing: RequestTiming = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        self.timing = RequestTiming(arrival=self.arrival_time)
         if self.sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling.seed)
 
@@ -110,9 +96,8 @@ class Request:
     def max_total_tokens(self) -> int:
         return self.num_prompt_tokens + self.sampling.max_tokens
 
-    def append_token(self, token_id: int, now: float) -> None:
+    def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-        self.timing.token_times.append(now)
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """The finished status after the latest sampled token, or None to go on."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Request
+from pdserve.engine.request import Request
 
 
 @dataclass(slots=True)

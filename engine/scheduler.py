@@ -5,20 +5,25 @@ Each request knows how many of its tokens are computed; each step hands out a to
 (engine/policies.py) differ only in how they spend the budget; the mechanics they share —
 admission with prefix-cache lookup, block growth with pre-emption, post-step bookkeeping — live
 here. `schedule()` then `update()` once per step; `abort()` at any time.
+
+KV that enters or leaves (a disaggregated worker's hand-off) goes through the KV connector
+(engine/kv_connector.py): admission asks it how many tokens arrive with their KV, and a finished
+request's blocks are freed or, when it says so, held until it releases them. Nothing here knows
+which kind of worker it runs in.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from engine.block_hash import ROOT, hash_blocks
-from engine.block_pool import BlockPool
-from engine.request import Request, RequestStatus
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv_connector import KVConnectorMetadata, KVConnectorScheduler, NoConnector
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.protocol.block_hash import ROOT, hash_blocks
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +34,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     waiting_served_ratio: float = 0.0
-    # Prefill role: a request stops after its first token and keeps its blocks for the hand-off.
-    prefill_only: bool = False
 
 
 class ScheduledRequest(NamedTuple):
@@ -46,6 +49,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    kv: KVConnectorMetadata = field(default_factory=KVConnectorMetadata)
 
     @property
     def num_tokens(self) -> int:
@@ -89,18 +93,17 @@ class Step:
 class Scheduler:
     """Owns the waiting queue, the running list (admission order) and every request's blocks."""
 
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, policy) -> None:
-        if not policy.chunks_prompts and config.max_num_batched_tokens < config.max_model_len:
-            raise ValueError(
-                f"policy {policy.name!r} admits whole prompts, so max_num_batched_tokens "
-                f"({config.max_num_batched_tokens}) must be at least max_model_len ({config.max_model_len})"
-            )
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, policy,
+                 connector: KVConnectorScheduler | None = None) -> None:
+        policy.check_token_budget(config.max_num_batched_tokens, config.max_model_len)
         self.config = config
         self.pool = pool
         self.policy = policy
+        self.connector = connector or NoConnector()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # every request not finished, and the held ones
+        self.held: dict[str, Request] = {}  # finished here; the connector owns their blocks
         self.num_preemptions = 0
 
     # --- requests in and out ---------------------------------------------------------------
@@ -117,13 +120,42 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            if req.status is RequestStatus.PREFILLED:
-                self.release_handoff(rid)
+            if rid in self.held:
+                self._release(rid)
                 req.status = RequestStatus.FINISHED_ABORTED
-            elif not req.status.finished:
-                self._finish(req, RequestStatus.FINISHED_ABORTED)
+            else:
+                self._finish(req, RequestStatus.FINISHED_ABORTED, KVConnectorMetadata())
             out.append(req)
         return out
+
+    def fail(self, out: SchedulerOutput, failures: dict[str, str]) -> list[Request]:
+        """Take requests out of this step's plan and finish them with an error (e.g. their KV
+        could not be loaded); returns them."""
+        failed = []
+        for item in list(out.scheduled):
+            req, n = item
+            if req.request_id in failures:
+                out.scheduled.remove(item)
+                if req.is_prefilling:
+                    out.num_prefill_tokens -= n
+                else:
+                    out.num_decode_tokens -= n
+                req.error = failures[req.request_id]
+                self._finish(req, RequestStatus.FINISHED_ERROR, out.kv)
+                failed.append(req)
+        return failed
+
+    def reclaim(self) -> None:
+        """Free the blocks of held requests the connector has released."""
+        for rid in self.connector.take_released():
+            self._release(rid)
+
+    def _release(self, request_id: str) -> None:
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.requests.pop(request_id, None)
+            self.pool.free(req.block_ids)
+            req.block_ids = []
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -134,20 +166,17 @@ class Scheduler:
 
     # --- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.reclaim()
         step = Step(self.config.max_num_batched_tokens)
         self.policy.schedule(self, step)
-        now = time.time()
-        for s in step.out.scheduled:
-            if s.request.timing.first_scheduled is None:
-                s.request.timing.first_scheduled = now
         return step.out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int], now: float | None = None) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed counts, commit full blocks to the prefix cache, append sampled tokens.
 
-        Returns the requests that finished in this step.
+        Returns the requests that finished in this step (the connector may hold their blocks:
+        see `held`, and the saves in `out.kv`).
         """
-        now = time.time() if now is None else now
         finished = []
         for req, n in out.scheduled:
             if req.status is not RequestStatus.RUNNING:
@@ -157,12 +186,10 @@ class Scheduler:
             token = sampled.get(req.request_id)
             if token is None:
                 continue
-            req.append_token(token, now)
+            req.append_token(token)
             status = req.check_stop(self.config.max_model_len)
-            if status is None and self.config.prefill_only:
-                status = RequestStatus.PREFILLED
             if status is not None:
-                self._finish(req, status)
+                self._finish(req, status, out.kv)
                 finished.append(req)
         return finished
 
@@ -185,12 +212,15 @@ class Scheduler:
         if len(self.running) >= self.config.max_num_seqs:
             return 0
         hits: list[int] = []
+        external = 0
         if req.num_computed_tokens == 0 and not req.block_ids:
-            self._extend_hashes(req)
-            # Always leave at least one token to compute: its logits give the next token.
-            usable = (req.num_tokens - 1) // self.pool.block_size
-            hits = self.pool.lookup(req.block_hashes[:usable])
-        computed = len(hits) * self.pool.block_size if hits else req.num_computed_tokens
+            external = self.connector.num_external_tokens(req)
+            if not external:
+                self._extend_hashes(req)
+                # Always leave at least one token to compute: its logits give the next token.
+                usable = (req.num_tokens - 1) // self.pool.block_size
+                hits = self.pool.lookup(req.block_hashes[:usable])
+        computed = external or (len(hits) * self.pool.block_size if hits else req.num_computed_tokens)
         n = min(req.num_tokens - computed, n_max)
         if n <= 0:
             return 0
@@ -208,6 +238,10 @@ class Scheduler:
                 req.num_cached_tokens = computed
         if new > 0:
             req.block_ids.extend(self.pool.allocate(new))
+        if external:
+            req.num_computed_tokens = external
+            n_load = -(-external // self.pool.block_size)
+            self.connector.on_allocated(req, req.block_ids[:n_load], external, step.out.kv)
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -217,6 +251,7 @@ class Scheduler:
     def preempt(self, req: Request, step: Step) -> None:
         """Drop a running request's blocks and queue it first for recompute."""
         step.remove(req)
+        step.out.kv.loads = [load for load in step.out.kv.loads if load.request_id != req.request_id]
         self.running.remove(req)
         self.pool.free(req.block_ids)
         req.block_ids = []
@@ -228,7 +263,7 @@ class Scheduler:
         if not self.running and self._blocks_needed(req, req.num_tokens) > self.pool.num_available:
             # Alone and still too big for the whole cache: waiting would deadlock; end it visibly.
             log.warning("request %s: KV cache too small to continue; finishing with 'length'", req.request_id)
-            self._finish(req, RequestStatus.FINISHED_LENGTH)
+            self._finish(req, RequestStatus.FINISHED_LENGTH, step.out.kv)
             return
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
@@ -250,23 +285,16 @@ class Scheduler:
             self.pool.commit(req.block_ids[i], req.block_hashes[i])
         req.num_committed_blocks = full
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def _finish(self, req: Request, status: RequestStatus, meta: KVConnectorMetadata) -> None:
         if req in self.running:
             self.running.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
         self.policy.on_finish(req)
-        held_for_handoff = status is RequestStatus.PREFILLED
-        if not held_for_handoff:
-            self.pool.free(req.block_ids)
-            req.block_ids = []
-            self.requests.pop(req.request_id, None)
         req.status = status
-        req.timing.finished = time.time()
-
-    def release_handoff(self, request_id: str) -> None:
-        """Prefill role: the decode worker has the KV (or the lease expired); free the blocks."""
-        req = self.requests.pop(request_id, None)
-        if req is not None and req.block_ids:
-            self.pool.free(req.block_ids)
-            req.block_ids = []
+        if self.connector.request_finished(req, meta):
+            self.held[req.request_id] = req
+            return
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        self.requests.pop(req.request_id, None)

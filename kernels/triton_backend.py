@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import triton_decode, triton_prefill, triton_store_kv
-from kernels.interface import AttentionBackend, check_shapes
+from pdserve.kernels import triton_decode, triton_prefill, triton_store_kv
+from pdserve.kernels.interface import AttentionBackend, check_shapes
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_launch import dot_precision, for_device, pow2_at_least, upcast_dot
+from pdserve.kernels.triton_launch import dot_precision, for_device, pow2_at_least, upcast_dot
 
 LOG2E = 1.4426950408889634
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_launch import for_device, pow2_at_least
+from pdserve.kernels.triton_launch import for_device, pow2_at_least
 
 
 @triton.jit

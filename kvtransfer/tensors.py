@@ -25,7 +25,7 @@ import zlib
 
 import torch
 
-from kvtransfer.protocol import TensorHeader
+from pdserve.protocol.messages import TensorHeader
 
 # What may travel: numeric types with a fixed item size. Names are torch's without "torch.".
 ALLOWED_DTYPES: dict[str, torch.dtype] = {

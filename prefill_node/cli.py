@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from engine.engine import Engine
-from engine.worker_cli import add_worker_arguments, serve
-from prefill_node.worker import PrefillWorker
+from pdserve.config.worker import add_worker_arguments
+from pdserve.worker.serve import serve
 
 
 def register(sub) -> None:
@@ -12,4 +11,10 @@ def register(sub) -> None:
                        description="Prefill worker: builds each prompt's KV cache and first token, "
                                    "then ships the KV to the decode worker the router names.")
     add_worker_arguments(p, kv_port=0, health_port=8101, transports="tcp,shm")
-    p.set_defaults(func=lambda a: serve(lambda opts, cfg: PrefillWorker(opts, Engine(cfg, "prefill")), a))
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from pdserve.prefill_node.worker import PrefillWorker  # torch: only when a worker runs
+
+    return serve(PrefillWorker.create, args)

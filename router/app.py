@@ -24,9 +24,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from router.errors import APIError, bad_request
-from router.metrics import CONTENT_TYPE
-from router.openai_schema import (
+from pdserve.protocol.block_hash import hash_blocks
+from pdserve.router.errors import APIError, bad_request
+from pdserve.router.metrics import CONTENT_TYPE
+from pdserve.router.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
@@ -35,11 +36,11 @@ from router.openai_schema import (
     parse_request,
     stop_strings,
 )
-from router.registry import Hasher, default_hasher
-from router.render import ChatRenderer, CompletionRenderer, Renderer, make_usage
-from router.requests import RequestState
-from router.service import RouterConfig, RouterService
-from router.tokenizer_source import default_detokenizer_factory
+from pdserve.router.registry import Hasher
+from pdserve.router.render import ChatRenderer, CompletionRenderer, Renderer, make_usage
+from pdserve.router.requests import RequestState
+from pdserve.router.service import RouterConfig, RouterService
+from pdserve.text.loader import default_detokenizer_factory
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def create_app(
         config,
         tokenizer,
         detokenizer_factory=detokenizer_factory,
-        hasher=default_hasher() if hasher is _DEFAULT else hasher,  # type: ignore[arg-type]
+        hasher=hash_blocks if hasher is _DEFAULT else hasher,  # type: ignore[arg-type]
     )
 
     @asynccontextmanager

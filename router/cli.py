@@ -11,80 +11,80 @@ import argparse
 import logging
 from typing import Any
 
-from engine.envs import env_default
+from pdserve.config.env import env_default
+from pdserve.router.registry import KV_TRANSPORT_CHOICES
 
 log = logging.getLogger(__name__)
 
-KV_TRANSPORTS = ("auto", "tcp", "shm", "cuda_ipc")
 
 
-_env = env_default
+
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("router")
-    g.add_argument("--host", default=_env("host", "127.0.0.1"), help="HTTP address to listen on")
-    g.add_argument("--port", type=int, default=_env("port", 8000), help="HTTP port")
+    g.add_argument("--host", default=env_default("host", "127.0.0.1"), help="HTTP address to listen on")
+    g.add_argument("--port", type=int, default=env_default("port", 8000), help="HTTP port")
     g.add_argument(
         "--control-address",
-        default=_env("control-address", "tcp://127.0.0.1:5550"),
+        default=env_default("control-address", "tcp://127.0.0.1:5550"),
         help="zmq address the workers' control connections reach (the router binds it)",
     )
     g.add_argument(
         "--model",
-        default=_env("model", "default"),
+        default=env_default("model", "default"),
         help="tokenizer source: 'default', a .gguf file or a Hugging Face directory (no weights are read)",
     )
     g.add_argument(
         "--served-model-name",
-        default=_env("served-model-name", None),
+        default=env_default("served-model-name", None),
         help="the model name clients send (default: the model's name)",
     )
     g.add_argument(
         "--api-key",
-        default=_env("api-key", None),
+        default=env_default("api-key", None),
         help="require `Authorization: Bearer <key>` on /v1/* (env PDSERVE_API_KEY)",
     )
     g.add_argument(
         "--max-inflight",
         type=int,
-        default=_env("max-inflight", 1024),
+        default=env_default("max-inflight", 1024),
         help="HTTP requests in flight before answering 429",
     )
     g.add_argument(
         "--max-body-bytes",
         type=int,
-        default=_env("max-body-bytes", 4 * 1024 * 1024),
+        default=env_default("max-body-bytes", 4 * 1024 * 1024),
         help="largest request body accepted (413 above)",
     )
     g.add_argument(
         "--max-model-len",
         type=int,
-        default=_env("max-model-len", 0) or None,
+        default=env_default("max-model-len", 0) or None,
         help="context length cap (default: the smallest max_model_len the workers register)",
     )
     g.add_argument(
         "--heartbeat-timeout",
         type=float,
-        default=_env("heartbeat-timeout", 3.0),
+        default=env_default("heartbeat-timeout", 3.0),
         help="seconds without a heartbeat before a worker is out of rotation",
     )
     g.add_argument(
         "--kv-transport",
-        default=_env("kv-transport", "auto"),
-        choices=KV_TRANSPORTS,
+        default=env_default("kv-transport", "auto"),
+        choices=KV_TRANSPORT_CHOICES,
         help="KV transport between prefill and decode: auto picks shm / cuda_ipc on one host",
     )
     g.add_argument(
         "--request-timeout",
         type=float,
-        default=_env("request-timeout", 60.0),
+        default=env_default("request-timeout", 60.0),
         help="seconds without any token before a request fails",
     )
     g.add_argument(
         "--drain-timeout",
         type=float,
-        default=_env("drain-timeout", 30.0),
+        default=env_default("drain-timeout", 30.0),
         help="on SIGTERM, how long in-flight requests may still run",
     )
     # SUPPRESS: under `pdserve router` the top-level --log-level keeps its value.
@@ -104,7 +104,7 @@ def register(sub: Any) -> None:
 
 
 def config_from_args(args: argparse.Namespace, model_name: str):
-    from router.service import RouterConfig
+    from pdserve.router.service import RouterConfig
 
     return RouterConfig(
         control_address=args.control_address,
@@ -124,10 +124,10 @@ def run(args: argparse.Namespace) -> int:
     """Load the tokenizer, build the app, serve until SIGTERM/SIGINT (then drain)."""
     import uvicorn
 
-    from router.app import create_app
-    from router.tokenizer_source import load_tokenizer
+    from pdserve.router.app import create_app
+    from pdserve.text.loader import load_tokenizer
 
-    level = getattr(args, "log_level", None) or _env("log-level", "INFO")
+    level = getattr(args, "log_level", None) or env_default("log-level", "INFO")
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

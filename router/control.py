@@ -1,7 +1,7 @@
 """The router's end of the control channel: one zmq ROUTER socket served by asyncio tasks.
 
 Workers connect a DEALER whose identity is their worker_id. Every frame is one msgpack
-message (kvtransfer.protocol); anything else is dropped, counted, and logged, never executed.
+message (pdserve.protocol.messages); anything else is dropped, counted, and logged, never executed.
 Three tasks share the router's event loop, none of them ever blocks it: `_recv_loop` (frames
 in), `_send_loop` (frames out, fed by the non-blocking `send`), `_reap_loop` (heartbeat timeout).
 """
@@ -18,21 +18,19 @@ from collections.abc import Sequence
 import zmq
 import zmq.asyncio
 
-from kvtransfer.protocol import (
+from pdserve.protocol.codec import ProtocolError, decode, encode
+from pdserve.protocol.messages import (
     Abort,
     Goodbye,
     Heartbeat,
     Message,
-    ProtocolError,
     Register,
     RegisterAck,
     TokenEvents,
-    decode,
-    encode,
 )
-from router.metrics import RouterMetrics
-from router.registry import Registry, WorkerState
-from router.requests import RequestTracker
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.registry import Registry, WorkerState
+from pdserve.router.requests import RequestTracker
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from router.errors import bad_request
+from pdserve.router.errors import bad_request
 
 MAX_STOP_STRINGS = 4
 MAX_N = 16

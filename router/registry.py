@@ -13,10 +13,10 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Literal, NamedTuple
 
-from kvtransfer.protocol import Heartbeat, ModelFingerprint, Register
+from pdserve.config.names import KV_TRANSPORTS
+from pdserve.protocol.messages import Heartbeat, ModelFingerprint, Register
 
 log = logging.getLogger(__name__)
 
@@ -26,21 +26,9 @@ Hasher = Callable[[Sequence[int], int], list[bytes]]
 MAX_PREFIX_ENTRIES = 100_000
 
 
-class KVTransportPolicy(str, Enum):
-    AUTO = "auto"
-    TCP = "tcp"
-    SHM = "shm"
-    CUDA_IPC = "cuda_ipc"
-
-
-def default_hasher() -> Hasher | None:
-    """The engine's block hasher, or None (routing then ignores prefixes) when it is missing."""
-    try:
-        from engine.block_hash import hash_blocks
-    except ImportError:
-        log.warning("engine.block_hash is not available: prefix-aware routing is off")
-        return None
-    return hash_blocks
+# "auto": the zero-copy kind both ends offer when they share a host (CUDA IPC first), else tcp.
+KV_TRANSPORT_CHOICES = ("auto", *KV_TRANSPORTS)
+SAME_HOST_PREFERENCE = ("cuda_ipc", "shm")
 
 
 @dataclass(slots=True)
@@ -122,10 +110,12 @@ class Registry:
     def __init__(
         self,
         hasher: Hasher | None = None,
-        kv_transport: KVTransportPolicy | str = KVTransportPolicy.AUTO,
+        kv_transport: str = "auto",
     ) -> None:
+        if kv_transport not in KV_TRANSPORT_CHOICES:
+            raise ValueError(f"kv_transport must be one of {KV_TRANSPORT_CHOICES}, got {kv_transport!r}")
         self.hasher = hasher
-        self.kv_transport = KVTransportPolicy(kv_transport)
+        self.kv_transport = kv_transport
         self.workers: dict[str, WorkerState] = {}
 
     # --- membership ----------------------------------------------------------------------
@@ -272,15 +262,11 @@ class Registry:
         return max(fitting or decodes, key=lambda d: (d.free_now, d.worker_id))
 
     def _transport(self, p: WorkerState, d: WorkerState) -> str:
-        if self.kv_transport is KVTransportPolicy.TCP:
+        if self.kv_transport == "tcp":
             return "tcp"
         if not p.info.host_id or p.info.host_id != d.info.host_id:
             return "tcp"
-        wanted = (
-            ("cuda_ipc", "shm")
-            if self.kv_transport is KVTransportPolicy.AUTO
-            else (self.kv_transport.value,)
-        )
+        wanted = SAME_HOST_PREFERENCE if self.kv_transport == "auto" else (self.kv_transport,)
         for t in wanted:
             if t in p.info.kv_transports and t in d.info.kv_transports:
                 return t

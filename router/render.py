@@ -10,7 +10,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any
 
-from router.openai_schema import (
+from pdserve.router.openai_schema import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -27,7 +27,7 @@ from router.openai_schema import (
     Usage,
     encode,
 )
-from router.requests import ChoiceDelta, LogprobEntry
+from pdserve.router.requests import ChoiceDelta, LogprobEntry
 
 
 def make_usage(prompt: int, completion: int, cached: int | None) -> Usage:

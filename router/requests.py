@@ -18,10 +18,10 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from kvtransfer.protocol import TokenEvent
-from router.errors import APIError
-from router.metrics import RouterMetrics
-from router.registry import Route
+from pdserve.protocol.messages import TokenEvent
+from pdserve.router.errors import APIError
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.registry import Route
 
 log = logging.getLogger(__name__)
 

@@ -16,19 +16,19 @@ from typing import Any
 
 import msgspec
 
-from engine.sampling_params import SamplingParams, SamplingParamsError
-from kvtransfer.protocol import GenerateRequest, PrefillRequest
-from router.control import ControlServer
-from router.errors import APIError, bad_request, unavailable
-from router.metrics import RouterMetrics
-from router.openai_schema import (
+from pdserve.protocol.messages import GenerateRequest, PrefillRequest
+from pdserve.protocol.sampling import SamplingParams, SamplingParamsError
+from pdserve.router.control import ControlServer
+from pdserve.router.errors import APIError, bad_request, unavailable
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     completion_prompt,
     message_text,
 )
-from router.registry import Hasher, Registry
-from router.requests import Choice, RequestState, RequestTracker
+from pdserve.router.registry import Hasher, Registry
+from pdserve.router.requests import Choice, RequestState, RequestTracker
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ torch.set_num_threads(int(os.environ.get("PDSERVE_TEST_THREADS", "1")))
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from engine.weights import load_model
+    from pdserve.model.weights import load_model
 
     return load_model("default")
 
@@ -28,7 +28,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny(tiny_dir):
-    from engine.weights import load_model
+    from pdserve.model.weights import load_model
 
     return load_model(str(tiny_dir))
 

@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
-from engine.block_hash import hash_blocks
-from kvtransfer.control import WorkerLink
-from kvtransfer.protocol import (
+from pdserve.protocol.block_hash import hash_blocks
+from pdserve.protocol.messages import (
     Abort,
     GenerateRequest,
     Heartbeat,
@@ -30,8 +29,9 @@ from kvtransfer.protocol import (
     TokenEvent,
     TokenEvents,
 )
-from router.app import create_app
-from router.service import RouterConfig
+from pdserve.router.app import create_app
+from pdserve.router.service import RouterConfig
+from pdserve.worker.router_link import WorkerLink
 
 # --- a toy tokenizer -------------------------------------------------------------------------
 
@@ -162,7 +162,6 @@ class FakeWorker:
             worker_id=self.worker_id,
             role=self.role,
             kv_address=f"tcp://127.0.0.1:1{len(self.worker_id)}" if self.role != "prefill" else "",
-            health_address="",
             fingerprint=FINGERPRINT,
             num_blocks=self.num_blocks,
             max_model_len=self.max_model_len,

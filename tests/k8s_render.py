@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from engine.ports import free_port
+from pdserve.config.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 K8S_DIR = REPO / "k8s"

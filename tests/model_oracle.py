@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
-from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from pdserve.config.engine import EngineConfig
+from pdserve.engine.runner import ModelRunner
+from pdserve.model.attention_metadata import AttentionMetadata
 
 
 def full_logits(runner: ModelRunner, token_ids: list[int]) -> torch.Tensor:

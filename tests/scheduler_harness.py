@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.block_pool import BlockPool
-from engine.policies import make_policy
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.policies import make_policy
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.protocol.sampling import SamplingParams
 
 EOS = 0
 
@@ -24,8 +24,7 @@ class Sim:
                  ratio: float = 0.0) -> None:
         self.pool = BlockPool(num_blocks, block_size, prefix_caching)
         pol = make_policy(policy)
-        if not pol.chunks_prompts:  # whole-prompt policies need a budget that covers any prompt
-            max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        max_num_batched_tokens = pol.token_budget(max_num_batched_tokens, max_model_len)
         self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, ratio)
         self.sched = Scheduler(self.config, self.pool, pol)
         self.steps: list[SchedulerOutput] = []

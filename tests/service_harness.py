@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.ports import free_port
+from pdserve.config.ports import free_port
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Cluster:
     def _spawn(self, name: str, args: list[str], **kw) -> Proc:
         log = self.tmp / f"{name}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "engine.cli", "--log-level", "INFO", *args]
+        cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", *args]
         popen = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         proc = Proc(name, popen, log, **kw)
         self.procs.append(proc)

@@ -8,11 +8,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.cli import build_parser, main, plan_from_args
-from bench.mock_server import launch
+from pdserve.bench.cli import build_parser, main, plan_from_args
+from pdserve.bench.mock_server import launch
 
 ROOT = Path(__file__).resolve().parents[1]
-MOCK = f"{shlex.quote(sys.executable)} -m bench.mock_server --port {{port}}"
+MOCK = f"{shlex.quote(sys.executable)} -m pdserve.bench.mock_server --port {{port}}"
 FAST = ["--num-requests", "6", "--input-len", "8", "--output-len", "4", "--range-ratio", "0",
         "--warmup", "1", "--no-progress"]
 
@@ -48,7 +48,7 @@ def test_sweep_reports_the_highest_rate_meeting_the_slo(tmp_path):
 
 
 def test_compare_runs_each_deployment_and_writes_table_json_and_plots(tmp_path, monkeypatch):
-    monkeypatch.chdir(ROOT)  # the deployments run `python -m bench.mock_server`
+    monkeypatch.chdir(ROOT)  # the deployments run `python -m pdserve.bench.mock_server`
     code = main(["compare", "--deployment", f"fast={MOCK} --ttft-ms 20 --tbt-ms 5",
                  "--deployment", f"slow={MOCK} --ttft-ms 120 --tbt-ms 15", "--ready-timeout", "20",
                  "--stop-timeout", "5", "--slo", "ttft=80ms", "--request-rate", "40",

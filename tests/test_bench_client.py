@@ -4,12 +4,12 @@ import statistics
 
 import pytest
 
-from bench.client import Api, Endpoint
-from bench.loadgen import LoadConfig, LoadMode, run_load_sync
-from bench.metrics import SLO, RunInfo, summarize, tbt_gaps, tpot_s
-from bench.mock_server import launch
-from bench.sweep import Plan, resolve_model
-from bench.workloads import RequestSpec, WorkloadConfig
+from pdserve.bench.client import Api, Endpoint
+from pdserve.bench.loadgen import LoadConfig, LoadMode, run_load_sync
+from pdserve.bench.metrics import SLO, RunInfo, summarize, tbt_gaps, tpot_s
+from pdserve.bench.mock_server import launch
+from pdserve.bench.sweep import Plan, resolve_model
+from pdserve.bench.workloads import RequestSpec, WorkloadConfig
 
 TOL_S = 0.015  # generous for a loaded 2-core CI machine, still far below the scripted delays
 TTFT_MS, TBT_MS, N_OUT = 100, 20, 8

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.metrics import SLO, RequestRecord, RunInfo, itl_gaps, summarize, tbt_gaps, tpot_s
+from pdserve.bench.metrics import SLO, RequestRecord, RunInfo, itl_gaps, summarize, tbt_gaps, tpot_s
 
 
 def rec(rid, sent=0.0, chunks=(), tokens=None, end=None, success=True, intended=None, out=None):

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from bench.workloads import (
+from pdserve.bench.workloads import (
     Arrival,
     PromptMaker,
     RequestSpec,
@@ -113,7 +113,7 @@ def test_restamp_redraws_times_and_keeps_requests():
 def test_tokenizer_makes_prompt_token_counts_exact(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from bench.workloads import _WORDS
+    from pdserve.bench.workloads import _WORDS
 
     # A tiny BPE whose vocabulary splits most words into several tokens: counting words is wrong.
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))

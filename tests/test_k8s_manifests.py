@@ -437,10 +437,8 @@ def test_image_runs_pdserve_as_the_uid_the_pods_require(dockerfile):
 @pytest.mark.parametrize("dockerfile", ["Dockerfile.cpu", "Dockerfile.cuda"])
 def test_image_copies_every_package_of_the_project(dockerfile):
     text = (REPO / "docker" / dockerfile).read_text()
-    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "packages"
-    ]["find"]["include"]
-    packages = {p.rstrip("*") for p in include}
+    package_dir = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    packages = set(package_dir.values())
     copied = {
         tok.rstrip("/")
         for line in re.findall(r"^COPY\s+(.+)$", text, re.M)

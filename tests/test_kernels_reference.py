@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import ReferenceBackend
-from kernels.testing import PagedCase, make_case
+from pdserve.kernels.reference import ReferenceBackend
+from pdserve.kernels.testing import PagedCase, make_case
 
 ATOL = RTOL = 1e-5
 NUM_KV_HEADS = 2

@@ -25,11 +25,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels.reference import ReferenceBackend  # noqa: E402
-from kernels.testing import PagedCase, make_case  # noqa: E402
-from kernels.triton_backend import TritonBackend  # noqa: E402
-from kernels.triton_decode import MAX_SPLITS, _decode_split_kernel  # noqa: E402
-from kernels.triton_launch import is_interpreted  # noqa: E402
+from pdserve.kernels.reference import ReferenceBackend  # noqa: E402
+from pdserve.kernels.testing import PagedCase, make_case  # noqa: E402
+from pdserve.kernels.triton_backend import TritonBackend  # noqa: E402
+from pdserve.kernels.triton_decode import MAX_SPLITS, _decode_split_kernel  # noqa: E402
+from pdserve.kernels.triton_launch import is_interpreted  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")

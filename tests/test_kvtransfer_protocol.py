@@ -9,19 +9,14 @@ import msgspec
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
-from kvtransfer import protocol
-from kvtransfer.kv_payload import (
-    KVPayloadError,
+from pdserve.engine.kv_cache import KVPayloadError, gather_blocks, scatter_blocks
+from pdserve.kvtransfer.payload import (
     fingerprint_matches,
     fingerprint_mismatch,
-    gather_blocks,
     payload_shape_mismatch,
-    scatter_blocks,
     with_header,
 )
-from kvtransfer.protocol import KVAck, KVTransfer, ModelFingerprint, ProtocolError, TensorHeader
-from kvtransfer.tensors import (
+from pdserve.kvtransfer.tensors import (
     TensorFrameError,
     as_bytes,
     checksum,
@@ -30,6 +25,10 @@ from kvtransfer.tensors import (
     verify,
     verify_reason,
 )
+from pdserve.protocol import codec, messages
+from pdserve.protocol.codec import ProtocolError
+from pdserve.protocol.messages import KVAck, KVTransfer, ModelFingerprint, TensorHeader
+from pdserve.protocol.sampling import SamplingParams
 
 FP = ModelFingerprint(
     "tiny", "llama", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", block_size=4
@@ -63,12 +62,12 @@ def transfer(payload: torch.Tensor, num_computed_tokens: int = 7, **changes: obj
 
 def test_kv_transfer_round_trips_through_encode_decode():
     meta = transfer(gather_blocks(kv_cache(), [3, 1]), location=b"\x00segment")
-    assert protocol.decode(protocol.encode(meta)) == meta
+    assert codec.decode(codec.encode(meta)) == meta
 
 
 def test_kv_ack_round_trips_through_encode_decode():
     ack = KVAck(request_id="req-1", ok=False, reason="checksum mismatch")
-    assert protocol.decode(protocol.encode(ack)) == ack
+    assert codec.decode(codec.encode(ack)) == ack
 
 
 def test_decode_refuses_a_pickle_without_running_it(tmp_path):
@@ -80,40 +79,40 @@ def test_decode_refuses_a_pickle_without_running_it(tmp_path):
 
     payload = pickle.dumps(Exploit())
     with pytest.raises(ProtocolError):
-        protocol.decode(payload)
+        codec.decode(payload)
     assert not marker.exists()
 
 
 def test_decode_refuses_random_bytes():
     with pytest.raises(ProtocolError):
-        protocol.decode(os.urandom(256))
+        codec.decode(os.urandom(256))
 
 
 def test_decode_refuses_a_truncated_message():
-    data = protocol.encode(transfer(gather_blocks(kv_cache(), [0, 1])))
+    data = codec.encode(transfer(gather_blocks(kv_cache(), [0, 1])))
     with pytest.raises(ProtocolError):
-        protocol.decode(data[: len(data) // 2])
+        codec.decode(data[: len(data) // 2])
 
 
 def test_decode_refuses_another_protocol_version():
-    data = protocol.encode(KVAck(request_id="r", ok=True, version=protocol.PROTOCOL_VERSION + 1))
+    data = codec.encode(KVAck(request_id="r", ok=True, version=messages.PROTOCOL_VERSION + 1))
     with pytest.raises(ProtocolError, match="version"):
-        protocol.decode(data)
+        codec.decode(data)
 
 
 def test_decode_refuses_an_unknown_tag():
     data = msgspec.msgpack.encode(
-        {"type": "exec", "version": protocol.PROTOCOL_VERSION, "code": "1"}
+        {"type": "exec", "version": messages.PROTOCOL_VERSION, "code": "1"}
     )
     with pytest.raises(ProtocolError):
-        protocol.decode(data)
+        codec.decode(data)
 
 
 def test_decode_refuses_an_unknown_field_in_a_tensor_header():
     meta = msgspec.to_builtins(transfer(gather_blocks(kv_cache(), [0, 1])))
     meta["tensor"]["strides"] = [1]
     with pytest.raises(ProtocolError):
-        protocol.decode(msgspec.msgpack.encode(meta))
+        codec.decode(msgspec.msgpack.encode(meta))
 
 
 # --- tensor frames ------------------------------------------------------------------------

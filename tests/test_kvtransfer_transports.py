@@ -14,13 +14,19 @@ import pytest
 import torch
 import zmq
 
-from engine.sampling_params import SamplingParams
-from kvtransfer import protocol
-from kvtransfer.kv_payload import gather_blocks, with_header
-from kvtransfer.protocol import KVTransfer, ModelFingerprint
-from kvtransfer.tensors import as_bytes, describe
-from kvtransfer.transport import TransportError, TransportUnavailable, make_receiver, make_sender
-from kvtransfer.transport.shm import SEGMENT_PREFIX, ShmKVSender, ShmLocation
+from pdserve.engine.kv_cache import gather_blocks
+from pdserve.kvtransfer.payload import with_header
+from pdserve.kvtransfer.tensors import as_bytes, describe
+from pdserve.kvtransfer.transport import (
+    TransportError,
+    TransportUnavailable,
+    make_receiver,
+    make_sender,
+)
+from pdserve.kvtransfer.transport.shm import SEGMENT_PREFIX, ShmKVSender, ShmLocation
+from pdserve.protocol import codec, messages
+from pdserve.protocol.messages import KVTransfer, ModelFingerprint
+from pdserve.protocol.sampling import SamplingParams
 
 CPU_KINDS = ["tcp", "shm"]
 ADDR = "tcp://127.0.0.1:0"
@@ -168,12 +174,12 @@ def test_tcp_flipped_byte_in_flight_is_detected():
         meta = with_header(make_meta(payload, SMALL), tensor=describe(payload), transport="tcp")
         doctored = bytearray(as_bytes(payload).numpy().tobytes())
         doctored[1000] ^= 0x10
-        raw.send_multipart([protocol.encode(meta), bytes(doctored)])
+        raw.send_multipart([codec.encode(meta), bytes(doctored)])
         got = receive_one(receiver)
         assert not got.ok and "checksum mismatch" in got.reason
         receiver.ack("req-1", False, got.reason)
         assert raw.poll(int(WAIT * 1000))
-        ack = protocol.decode(raw.recv())
+        ack = codec.decode(raw.recv())
         assert not ack.ok and "checksum" in ack.reason
         raw.close(linger=0)
 
@@ -201,7 +207,7 @@ def test_shm_receiver_refuses_a_segment_name_that_is_not_pdserves():
         meta = with_header(
             make_meta(payload, SMALL), tensor=describe(payload), transport="shm", location=location
         )
-        raw.send_multipart([protocol.encode(meta)])
+        raw.send_multipart([codec.encode(meta)])
         got = receive_one(receiver)
         assert not got.ok and "not one of pdserve's" in got.reason
         raw.close(linger=0)
@@ -222,15 +228,15 @@ def test_receiver_fed_garbage_keeps_serving_the_next_valid_transfer(pair, tmp_pa
     good = with_header(
         make_meta(payload, SMALL, "garbage"), tensor=describe(payload), transport=kind
     )
-    encoded = protocol.encode(good)
+    encoded = codec.encode(good)
     unknown_tag = msgspec.to_builtins(good, builtin_types=(bytes,)) | {"type": "shell"}
     garbage = [
         [pickle.dumps(Exploit())],
         [os.urandom(1000)],
         [encoded[: len(encoded) // 3]],
-        [protocol.encode(with_header(good, version=99))],
+        [codec.encode(with_header(good, version=99))],
         [msgspec.msgpack.encode(unknown_tag)],
-        [protocol.encode(protocol.KVAck(request_id="x", ok=True))],
+        [codec.encode(messages.KVAck(request_id="x", ok=True))],
         [b""],
     ]
     with zmq.Context() as ctx:
@@ -239,8 +245,8 @@ def test_receiver_fed_garbage_keeps_serving_the_next_valid_transfer(pair, tmp_pa
         for frames in garbage:
             raw.send_multipart(frames)
         # A KVTransfer whose frames disagree with its transport: refused, and handed out as such.
-        raw.send_multipart([protocol.encode(with_header(good, request_id="frames"))])
-        raw.send_multipart([protocol.encode(with_header(good, request_id="extra")), b"1", b"2"])
+        raw.send_multipart([codec.encode(with_header(good, request_id="frames"))])
+        raw.send_multipart([codec.encode(with_header(good, request_id="extra")), b"1", b"2"])
         refused = {r.meta.request_id: r for r in receiver.poll(timeout=WAIT)}
         while "extra" not in refused:  # one connection keeps order: all garbage was read by now
             batch = receiver.poll(timeout=WAIT)
@@ -378,7 +384,7 @@ def test_cuda_ipc_payload_arrives_bit_identical_in_another_process():
     child = textwrap.dedent(
         """
         import sys, torch
-        from kvtransfer.transport import make_receiver
+        from pdserve.kvtransfer.transport import make_receiver
         with make_receiver("cuda_ipc", "tcp://127.0.0.1:0") as rx:
             print(rx.address, flush=True)
             (got,) = rx.poll(timeout=30)

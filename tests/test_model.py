@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from pdserve.engine.llm import LLM
+from pdserve.protocol.sampling import SamplingParams
 from tests.model_oracle import full_logits, make_runner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=False)

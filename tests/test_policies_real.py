@@ -13,9 +13,9 @@ from collections import defaultdict
 
 import pytest
 
-from engine.llm import LLM
-from engine.policies import COLOCATED_POLICIES
-from engine.sampling_params import SamplingParams
+from pdserve.config.names import COLOCATED_POLICIES
+from pdserve.engine.llm import LLM
+from pdserve.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 

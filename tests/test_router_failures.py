@@ -12,7 +12,8 @@ import msgspec
 import pytest
 import zmq
 
-from kvtransfer.protocol import Heartbeat, encode
+from pdserve.protocol.codec import encode
+from pdserve.protocol.messages import Heartbeat
 from tests.fake_worker import RouterHarness, toks
 
 pytestmark = pytest.mark.timeout(60)
@@ -201,7 +202,7 @@ def test_garbage_control_frames_are_dropped_and_router_keeps_serving():
 
 
 def test_heartbeat_kv_counters_become_prometheus_counters():
-    from kvtransfer.protocol import Register
+    from pdserve.protocol.messages import Register
     from tests.fake_worker import FINGERPRINT
 
     with RouterHarness() as h, httpx.Client(base_url=h.base_url) as c:
@@ -213,7 +214,6 @@ def test_heartbeat_kv_counters_become_prometheus_counters():
             worker_id="p9",
             role="prefill",
             kv_address="",
-            health_address="",
             fingerprint=FINGERPRINT,
             num_blocks=10,
             max_model_len=100,

@@ -8,7 +8,7 @@ import sys
 import openai
 import pytest
 
-from router.tokenizer_source import load_tokenizer
+from pdserve.text.loader import load_tokenizer
 from tests.fake_worker import RouterHarness
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
@@ -26,7 +26,7 @@ def router():
 
 
 def test_tokenizer_loads_without_torch():
-    code = "import sys; from router.tokenizer_source import load_tokenizer; load_tokenizer('default'); print('torch' in sys.modules)"
+    code = "import sys; from pdserve.text.loader import load_tokenizer; load_tokenizer('default'); print('torch' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=100, check=True
     )

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_hash import hash_blocks
-from kvtransfer.protocol import Heartbeat, Register
-from router.registry import Registry
+from pdserve.protocol.block_hash import hash_blocks
+from pdserve.protocol.messages import Heartbeat, Register
+from pdserve.router.registry import Registry
 from tests.fake_worker import FINGERPRINT
 
 BS = FINGERPRINT.block_size
@@ -19,7 +19,6 @@ def reg(
         worker_id=worker_id,
         role=role,
         kv_address=f"tcp://kv/{worker_id}",
-        health_address="",
         fingerprint=FINGERPRINT,
         num_blocks=blocks,
         max_model_len=4096,
@@ -171,7 +170,6 @@ def test_bad_registration_is_refused():
         worker_id="d0",
         role="decode",
         kv_address="",
-        health_address="",
         fingerprint=FINGERPRINT,
         num_blocks=10,
         max_model_len=100,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtransfer.protocol import TokenEvent
-from router.registry import Route
-from router.requests import Choice, StopMatcher
+from pdserve.protocol.messages import TokenEvent
+from pdserve.router.registry import Route
+from pdserve.router.requests import Choice, StopMatcher
 from tests.fake_worker import FakeDetokenizer, FakeTokenizer, toks
 
 alphabet = st.sampled_from("abcAB ")

@@ -9,10 +9,9 @@ import httpx
 import pytest
 import zmq
 
-from engine.ports import free_port
-from engine.sampling_params import SamplingParams
-from kvtransfer.control import WorkerLink
-from kvtransfer.protocol import (
+from pdserve.config.ports import free_port
+from pdserve.protocol.codec import decode, encode
+from pdserve.protocol.messages import (
     Abort,
     GenerateRequest,
     Goodbye,
@@ -21,9 +20,9 @@ from kvtransfer.protocol import (
     RegisterAck,
     TokenEvent,
     TokenEvents,
-    decode,
-    encode,
 )
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.worker.router_link import WorkerLink
 from tests.fake_worker import FINGERPRINT, FakeWorker, RouterHarness, toks
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,7 +33,6 @@ def register(worker_id: str = "w0") -> Register:
         worker_id=worker_id,
         role="colocated",
         kv_address="tcp://x",
-        health_address="",
         fingerprint=FINGERPRINT,
         num_blocks=10,
         max_model_len=100,

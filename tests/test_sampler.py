@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.engine.llm import LLM
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sampler
+from pdserve.protocol.sampling import SamplingParams, SamplingParamsError
 
 
 def req(params: SamplingParams, prompt=(1, 2, 3), output=(), eos=(0,)) -> Request:

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.policies import COLOCATED_POLICIES
-from engine.request import RequestStatus
+from pdserve.config.names import COLOCATED_POLICIES
+from pdserve.engine.request import RequestStatus
 from tests.scheduler_harness import Sim
 
 FINAL = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}

@@ -15,11 +15,12 @@ import pytest
 import torch
 import zmq
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from kvtransfer.kv_payload import gather_blocks
-from kvtransfer.protocol import KVAck, KVTransfer, ModelFingerprint, decode, encode
-from kvtransfer.tensors import describe
+from pdserve.engine.kv_cache import gather_blocks
+from pdserve.engine.llm import LLM
+from pdserve.kvtransfer.tensors import describe
+from pdserve.protocol.codec import decode, encode
+from pdserve.protocol.messages import KVAck, KVTransfer, ModelFingerprint
+from pdserve.protocol.sampling import SamplingParams
 from tests.service_harness import Cluster
 
 pytestmark = pytest.mark.timeout(300)

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-import engine.chat_template as chat_template_module
-from engine.detokenizer import IncrementalDetokenizer
-from engine.model_files import default_gguf_path
-from engine.tokenizer import Tokenizer
+import pdserve.text.chat_template as chat_template_module
+from pdserve.text.detokenizer import IncrementalDetokenizer
+from pdserve.text.model_files import default_gguf_path
+from pdserve.text.tokenizer import Tokenizer
 from tests.helpers.tiny_llama import default_tokenizer, make_tiny_llama_dir
 
 TEXTS = [
@@ -105,7 +105,10 @@ def test_encode_with_special_tokens_equals_transformers(tok, hf_tok, text):
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(text=st.text(max_size=60))
+# Numerals outside ASCII (e.g. '¼') are left out: SmolLM2's tokenizer.json, llama.cpp's "smollm"
+# split and we isolate every Unicode numeral, but transformers' GGUF converter does not.
+@given(text=st.text(st.characters(exclude_categories=("Cs",)).filter(lambda c: c.isascii() or not c.isnumeric()),
+                    max_size=60))
 def test_encode_equals_transformers_on_random_text(tok, hf_tok, text):
     assert tok.encode(text) == hf_tok.encode(text, add_special_tokens=False)
 
@@ -148,7 +151,7 @@ def test_saved_tokenizer_json_encodes_the_same(tok, tmp_path):
 
 def _tiny_gguf_metadata(**overrides) -> dict:
     """A byte-level vocabulary: the 256 byte symbols, one merge, two control tokens."""
-    from engine.tokenizer import _BYTE_TO_CHAR
+    from pdserve.text.tokenizer import _BYTE_TO_CHAR
 
     tokens = ["<s>", "</s>", *_BYTE_TO_CHAR.values(), "hi"]
     meta = {
@@ -174,14 +177,14 @@ def test_gguf_add_bos_token_prepends_bos_only_with_special_tokens():
 
 def test_unknown_gguf_pre_tokenizer_falls_back_with_a_warning(caplog):
     meta = _tiny_gguf_metadata(**{"tokenizer.ggml.pre": "mystery-v9"})
-    with caplog.at_level("WARNING", logger="engine.tokenizer"):
+    with caplog.at_level("WARNING", logger="pdserve.text.tokenizer"):
         tok = Tokenizer.from_gguf_metadata(meta)
     assert "mystery-v9" in caplog.text
     assert tok.decode(tok.encode("hi there")) == "hi there"
 
 
 def test_non_bpe_gguf_tokenizer_is_a_model_load_error():
-    from engine.model_files import ModelLoadError
+    from pdserve.text.model_files import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="'llama' is not supported"):
         Tokenizer.from_gguf_metadata(_tiny_gguf_metadata(**{"tokenizer.ggml.model": "llama"}))
@@ -192,7 +195,7 @@ def test_non_bpe_gguf_tokenizer_is_a_model_load_error():
     [("smollm", ["1", "2", "3", "4", "5"]), ("llama-bpe", ["123", "45"]), ("gpt2", ["12345"])],
 )
 def test_gguf_pre_tokenizer_splits_digits_as_its_model_expects(pre, pieces):
-    from engine.tokenizer import byte_level_pre_tokenizer
+    from pdserve.text.tokenizer import byte_level_pre_tokenizer
 
     split = byte_level_pre_tokenizer(pre).pre_tokenize_str("12345")
     assert [piece for piece, _ in split] == pieces

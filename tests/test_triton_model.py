@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from engine.llm import LLM  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.engine.llm import LLM  # noqa: E402
+from pdserve.protocol.sampling import SamplingParams  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 4

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.gguf_loader import unpermute_rotary
-from engine.model_files import DEFAULT_MODEL_NAME, ModelLoadError, default_gguf_path
-from engine.weights import LoadedModel, load_model
+from pdserve.model.gguf_loader import unpermute_rotary
+from pdserve.model.weights import LoadedModel, load_model
+from pdserve.text.model_files import DEFAULT_MODEL_NAME, ModelLoadError, default_gguf_path
 from tests.helpers.tiny_llama import make_tiny_llama_dir
 
 LLAMA3_ROPE = {
@@ -64,7 +64,7 @@ def test_default_spec_loads_smollm2_with_its_served_name(default_model):
 
 
 def test_none_spec_means_the_default_model():
-    from engine.model_files import resolve_model
+    from pdserve.text.model_files import resolve_model
 
     assert resolve_model(None) == resolve_model("default")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtransfer.transport.base import (
+from pdserve.kvtransfer.transport.base import (
     KVReceiver,
     KVSender,
     ReceivedKV,
@@ -26,11 +26,11 @@ def available_kinds() -> tuple[str, ...]:
 def make_sender(kind: str, **options: object) -> KVSender:
     """A started sender; options: lease_s, and max_pool_bytes (shm) or device (cuda_ipc)."""
     if kind == "tcp":
-        from kvtransfer.transport.tcp import TcpKVSender as cls
+        from pdserve.kvtransfer.transport.tcp import TcpKVSender as cls
     elif kind == "shm":
-        from kvtransfer.transport.shm import ShmKVSender as cls  # type: ignore[assignment]
+        from pdserve.kvtransfer.transport.shm import ShmKVSender as cls  # type: ignore[assignment]
     elif kind == "cuda_ipc":
-        from kvtransfer.transport.cuda_ipc import CudaIpcKVSender as cls  # type: ignore[assignment]
+        from pdserve.kvtransfer.transport.cuda_ipc import CudaIpcKVSender as cls  # type: ignore[assignment]
     else:
         raise ValueError(f"unknown KV transport {kind!r}; choose one of {KINDS}")
     return cls(**options)  # type: ignore[arg-type]
@@ -40,11 +40,11 @@ def make_receiver(kind: str, address: str, **options: object) -> KVReceiver:
     """A receiver bound to `address` ("tcp://127.0.0.1:0" picks a free port; see `.address`).
     Options: fingerprint (refuse KV of another model layout), max_message_bytes, max_mappings (shm)."""
     if kind == "tcp":
-        from kvtransfer.transport.tcp import TcpKVReceiver as cls
+        from pdserve.kvtransfer.transport.tcp import TcpKVReceiver as cls
     elif kind == "shm":
-        from kvtransfer.transport.shm import ShmKVReceiver as cls  # type: ignore[assignment]
+        from pdserve.kvtransfer.transport.shm import ShmKVReceiver as cls  # type: ignore[assignment]
     elif kind == "cuda_ipc":
-        from kvtransfer.transport.cuda_ipc import CudaIpcKVReceiver as cls  # type: ignore[assignment]
+        from pdserve.kvtransfer.transport.cuda_ipc import CudaIpcKVReceiver as cls  # type: ignore[assignment]
     else:
         raise ValueError(f"unknown KV transport {kind!r}; choose one of {KINDS}")
     return cls(address, **options)  # type: ignore[arg-type]

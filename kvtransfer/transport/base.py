@@ -4,7 +4,7 @@ Ownership: a sender or receiver owns one I/O thread, and that thread owns every 
 it (zmq sockets are not thread-safe). The engine thread only calls the non-blocking methods
 below; they hand work to the I/O thread through a queue and a wake-up pipe, and read results
 from queues the I/O thread fills. Nothing received is unpickled or executed: headers are
-decoded strictly by `kvtransfer.protocol.decode`, payloads are raw bytes.
+decoded strictly by `pdserve.protocol.messages.decode`, payloads are raw bytes.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from kvtransfer.protocol import KVAck, KVTransfer
+from pdserve.protocol.messages import KVAck, KVTransfer
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ import threading
 import msgspec
 import torch
 
-from kvtransfer.kv_payload import with_header
-from kvtransfer.protocol import KVTransfer
-from kvtransfer.tensors import describe, validate_header
-from kvtransfer.transport.base import TransportError, TransportUnavailable
-from kvtransfer.transport.tcp import ZmqKVReceiver, ZmqKVSender
+from pdserve.kvtransfer.payload import with_header
+from pdserve.kvtransfer.tensors import describe, validate_header
+from pdserve.kvtransfer.transport.base import TransportError, TransportUnavailable
+from pdserve.kvtransfer.transport.tcp import ZmqKVReceiver, ZmqKVSender
+from pdserve.protocol.messages import KVTransfer
 
 
 class CudaIpcLocation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -45,8 +45,31 @@ class CudaIpcLocation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 _location_decoder = msgspec.msgpack.Decoder(CudaIpcLocation)
 _PROCESS = secrets.token_bytes(8)
-_local_lock = threading.Lock()
-_local_staged: dict[tuple[bytes, int, int], torch.Tensor] = {}  # (handle, offsets) -> staged tensor
+
+
+class _OwnRegions:
+    """Payloads this process staged, by IPC location. CUDA refuses to open an IPC handle in the
+    process that made it, so a receiver in the sender's own process (one process serving both
+    ends, as the colocated benchmark and the in-process tests do) reads the staged tensor here."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._staged: dict[tuple[bytes, int, int], torch.Tensor] = {}
+
+    def add(self, loc: CudaIpcLocation, t: torch.Tensor) -> None:
+        with self._lock:
+            self._staged[_key(loc)] = t
+
+    def drop(self, loc: CudaIpcLocation) -> None:
+        with self._lock:
+            self._staged.pop(_key(loc), None)
+
+    def get(self, loc: CudaIpcLocation) -> torch.Tensor | None:
+        with self._lock:
+            return self._staged.get(_key(loc))
+
+
+_own_regions = _OwnRegions()
 
 
 def require_cuda() -> None:
@@ -96,14 +119,12 @@ class CudaIpcKVSender(ZmqKVSender):
             event_sync_required=event_sync,
             tensor_offset=int(t.storage_offset()),
         )
-        with _local_lock:
-            _local_staged[_key(loc)] = t
+        _own_regions.add(loc, t)
         return with_header(meta, tensor=header, location=msgspec.msgpack.encode(loc)), [], (loc, t)
 
     def _unstage(self, hold: object) -> None:
         loc: CudaIpcLocation = hold[0]  # type: ignore[index]
-        with _local_lock:
-            _local_staged.pop(_key(loc), None)
+        _own_regions.drop(loc)
 
 
 class CudaIpcKVReceiver(ZmqKVReceiver):
@@ -139,8 +160,7 @@ class CudaIpcKVReceiver(ZmqKVReceiver):
                 f"CUDA IPC region {loc.storage_size_bytes} bytes cannot hold the payload"
             )
         if loc.process == _PROCESS:
-            with _local_lock:
-                staged = _local_staged.get(_key(loc))
+            staged = _own_regions.get(loc)
             if staged is None:
                 raise TransportError("CUDA IPC handle from this process names no staged payload")
             return staged.view(dtype).view(meta.tensor.shape), None

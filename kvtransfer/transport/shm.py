@@ -29,11 +29,11 @@ from multiprocessing import shared_memory
 import msgspec
 import torch
 
-from kvtransfer.kv_payload import with_header
-from kvtransfer.protocol import KVTransfer
-from kvtransfer.tensors import as_bytes, describe, tensor_from_buffer
-from kvtransfer.transport.base import TransportError
-from kvtransfer.transport.tcp import ZmqKVReceiver, ZmqKVSender
+from pdserve.kvtransfer.payload import with_header
+from pdserve.kvtransfer.tensors import as_bytes, describe, tensor_from_buffer
+from pdserve.kvtransfer.transport.base import TransportError
+from pdserve.kvtransfer.transport.tcp import ZmqKVReceiver, ZmqKVSender
+from pdserve.protocol.messages import KVTransfer
 
 SEGMENT_PREFIX = "pdserve-kv-"
 _NAME_RE = re.compile(r"^pdserve-kv-[A-Za-z0-9_-]{1,64}$")

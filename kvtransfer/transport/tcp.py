@@ -22,16 +22,15 @@ import msgspec
 import torch
 import zmq
 
-from kvtransfer.kv_payload import fingerprint_mismatch, payload_shape_mismatch, with_header
-from kvtransfer.protocol import KVAck, KVTransfer, ModelFingerprint, ProtocolError, decode, encode
-from kvtransfer.tensors import (
+from pdserve.kvtransfer.payload import fingerprint_mismatch, payload_shape_mismatch, with_header
+from pdserve.kvtransfer.tensors import (
     TensorFrameError,
     as_bytes,
     describe,
     tensor_from_buffer,
     verify_reason,
 )
-from kvtransfer.transport.base import (
+from pdserve.kvtransfer.transport.base import (
     IOLoop,
     KVReceiver,
     KVSender,
@@ -39,6 +38,8 @@ from kvtransfer.transport.base import (
     TransportError,
     drain,
 )
+from pdserve.protocol.codec import ProtocolError, decode, encode
+from pdserve.protocol.messages import KVAck, KVTransfer, ModelFingerprint
 
 log = logging.getLogger(__name__)
 

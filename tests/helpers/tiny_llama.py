@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from engine.gguf_loader import open_gguf, read_metadata
-from engine.model_files import default_gguf_path
-from engine.tokenizer import Tokenizer
+from pdserve.model.gguf_loader import open_gguf, read_metadata
+from pdserve.text.model_files import default_gguf_path
+from pdserve.text.tokenizer import Tokenizer
 
 SMOLLM2_VOCAB_SIZE = 49152
 

@@ -1,4 +1,4 @@
-"""Attention kernels shared by prefill and decode: one interface, a reference, Triton for CUDA.
+"""Choosing the attention backend (kernels/interface.py is the interface both nodes share).
 
 `get_backend(device)` picks the implementation: the Triton kernels for CUDA tensors, the PyTorch
 reference for everything else. `PDSERVE_ATTENTION_BACKEND=reference|triton` forces either (the
@@ -11,10 +11,10 @@ import os
 
 import torch
 
-from kernels.interface import AttentionBackend, check_shapes
-from kernels.reference import ReferenceBackend
+from pdserve.kernels.interface import AttentionBackend
+from pdserve.kernels.reference import ReferenceBackend
 
-__all__ = ["AttentionBackend", "ReferenceBackend", "check_shapes", "get_backend"]
+__all__ = ["get_backend"]
 
 BACKEND_ENV = "PDSERVE_ATTENTION_BACKEND"
 
@@ -26,7 +26,7 @@ def get_backend(device: torch.device | str, name: str | None = None) -> Attentio
         return ReferenceBackend()
     if choice == "triton":
         try:
-            from kernels.triton_backend import TritonBackend
+            from pdserve.kernels.triton_backend import TritonBackend
         except ImportError as exc:  # triton missing, or the kernels not importable on this platform
             raise RuntimeError(f"attention backend 'triton' is unavailable: {exc}") from exc
         return TritonBackend()

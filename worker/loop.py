@@ -1,8 +1,9 @@
 """What every worker process shares: registration, probes, the engine loop, drain on SIGTERM.
 
-The loop is `drain inputs -> step -> publish outputs`; sockets live on their own threads
-(WorkerLink for the router, the KV transport's I/O thread), so the loop only touches queues.
-Subclasses (prefill_node, decode_node) say how work is accepted and what extra I/O to poll.
+The loop is `drain inputs -> step -> publish outputs -> save KV`; sockets live on their own
+threads (WorkerLink for the router, the KV transport's I/O thread), so the loop only touches
+queues and the engine's public methods. Subclasses (prefill_node/, decode_node/,
+worker/colocated.py) say how work is accepted and what extra I/O to poll.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import socket
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
-from engine.engine import Engine, RequestOutput, RequestRejected
-from engine.health import HealthServer
-from kvtransfer.control import WorkerLink
-from kvtransfer.protocol import (
+from pdserve.config.engine import EngineConfig
+from pdserve.config.worker import WorkerOptions
+from pdserve.engine.engine import Engine, EngineLoad, RequestOutput, RequestRejected
+from pdserve.model.weights import LoadedModel
+from pdserve.protocol.messages import (
     Abort,
     GenerateRequest,
     Heartbeat,
@@ -29,24 +30,24 @@ from kvtransfer.protocol import (
     TokenEvent,
     TokenEvents,
 )
+from pdserve.worker.health import HealthServer
+from pdserve.worker.router_link import WorkerLink
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerOptions:
-    router_address: str = "tcp://127.0.0.1:5550"
-    host: str = "127.0.0.1"  # every socket of the worker binds here
-    advertise_host: str | None = None  # what others dial; defaults to host
-    kv_port: int = 0
-    health_port: int = 0
-    kv_transports: tuple[str, ...] = ("tcp",)
-    host_id: str = ""
-    worker_id: str | None = None
-    drain_timeout: float = 20.0
-    heartbeat_interval: float = 1.0
-    stuck_after: float = 60.0  # seconds without a loop tick before /health fails
-    kv_lease: float = 5.0
+def default_worker_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def model_fingerprint(engine_config: EngineConfig, loaded: LoadedModel) -> ModelFingerprint:
+    """What must match between two workers for KV built by one to be valid on the other."""
+    m = loaded.config
+    return ModelFingerprint(
+        model=loaded.name, architecture=m.architecture, num_layers=m.num_layers,
+        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=engine_config.dtype,
+        block_size=engine_config.block_size,
+    )
 
 
 def error_event(request_id: str, message: str, position: int = -1) -> TokenEvent:
@@ -56,26 +57,18 @@ def error_event(request_id: str, message: str, position: int = -1) -> TokenEvent
 class Worker(ABC):
     role = "abstract"
 
-    def __init__(self, options: WorkerOptions, engine: Engine) -> None:
+    def __init__(self, options: WorkerOptions, engine: Engine, fingerprint: ModelFingerprint) -> None:
         self.options = options
         self.engine = engine
-        self.worker_id = options.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
-        m = engine.model_config
-        self.fingerprint = ModelFingerprint(
-            model=engine.model_name, architecture=m.architecture, num_layers=m.num_layers,
-            num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=engine.config.dtype,
-            block_size=engine.config.block_size,
-        )
+        self.worker_id = options.worker_id or default_worker_id(self.role)
+        self.fingerprint = fingerprint
         self.host_id = options.host_id or socket.gethostname()
         self.advertise_host = options.advertise_host or options.host
-        self.kv_bytes_sent = 0
-        self.kv_bytes_received = 0
-        self.kv_transfer_seconds = 0.0
         self._pending_events: list[TokenEvent] = []
         self._stop = threading.Event()
         self._draining = False
         self._last_tick = time.monotonic()
-        self._load = (engine.pool.num_available, 0, 0, 0)
+        self._load: EngineLoad = engine.load()
         self.health = HealthServer(options.host, options.health_port, self._live, self._ready, self.info)
         self.link: WorkerLink | None = None
 
@@ -95,7 +88,11 @@ class Worker(ABC):
         return self.engine.has_unfinished()
 
     def after_step(self) -> None:
-        """Runs after each engine step's events are published."""
+        """Runs after each engine step's events are published and its KV saved."""
+
+    def kv_counters(self) -> tuple[int, int, float]:
+        """Bytes of KV sent, bytes received, seconds spent sending (cumulative)."""
+        return 0, 0, 0.0
 
     def abort(self, request_ids: tuple[str, ...]) -> None:
         self.engine.abort(request_ids)
@@ -108,8 +105,8 @@ class Worker(ABC):
         self.health.start()
         reg = Register(
             worker_id=self.worker_id, role=self.role, kv_address=self.kv_address(),  # type: ignore[arg-type]
-            health_address=self.health.address, fingerprint=self.fingerprint,
-            num_blocks=self.engine.pool.num_blocks, max_model_len=self.engine.max_model_len,
+            fingerprint=self.fingerprint, num_blocks=self._load.total_blocks,
+            max_model_len=self.engine.max_model_len,
             kv_transports=self.options.kv_transports, host_id=self.host_id,
         )
         self.link = WorkerLink(self.options.router_address, reg, self._heartbeat, self.options.heartbeat_interval).start()
@@ -138,6 +135,7 @@ class Worker(ABC):
             for work in self.link.poll():
                 self._handle(work)
             self.poll_io()
+            self.engine.reclaim()
             if self.engine.has_unfinished():
                 try:
                     outputs = self.engine.step()
@@ -146,6 +144,10 @@ class Worker(ABC):
                     self._fail_running("internal error in the engine step")
                     outputs = []
                 self._publish(outputs)
+                # The step's tokens leave before its KV is saved: a first token never waits on
+                # its transfer.
+                self._flush()
+                self.engine.save_kv()
                 self.after_step()
             else:
                 time.sleep(0.0005)
@@ -204,29 +206,28 @@ class Worker(ABC):
             self._pending_events = []
 
     def _fail_running(self, message: str) -> None:
-        ids = [r.request_id for r in self.engine.scheduler.running]
+        ids = self.engine.request_ids(running_only=True)
         self.engine.abort(ids)
         for rid in ids:
             self.emit(error_event(rid, message))
 
     def _fail_all(self, message: str) -> None:
-        ids = list(self.engine.scheduler.requests)
+        ids = self.engine.request_ids()
         self.engine.abort(ids)
         for rid in ids:
             self.emit(error_event(rid, message))
 
     def _tick(self) -> None:
         self._last_tick = time.monotonic()
-        s = self.engine.scheduler
-        self._load = (self.engine.pool.num_available, s.num_waiting_tokens, len(s.running), len(s.waiting))
+        self._load = self.engine.load()
 
     def _heartbeat(self) -> Heartbeat:
-        free, queued, running, waiting = self._load
+        load = self._load
+        sent, received, seconds = self.kv_counters()
         return Heartbeat(
-            worker_id=self.worker_id, free_blocks=free, total_blocks=self.engine.pool.num_blocks,
-            queued_prefill_tokens=queued, running=running, waiting=waiting, draining=self._draining,
-            kv_bytes_sent=self.kv_bytes_sent, kv_bytes_received=self.kv_bytes_received,
-            kv_transfer_seconds=self.kv_transfer_seconds,
+            worker_id=self.worker_id, free_blocks=load.free_blocks, total_blocks=load.total_blocks,
+            queued_prefill_tokens=load.queued_prefill_tokens, running=load.running, waiting=load.waiting,
+            draining=self._draining, kv_bytes_sent=sent, kv_bytes_received=received, kv_transfer_seconds=seconds,
         )
 
     def _live(self) -> bool:
@@ -237,12 +238,11 @@ class Worker(ABC):
 
     def info(self) -> dict:
         c = self.engine.counters
+        sent, received, _ = self.kv_counters()
         return {
             "worker_id": self.worker_id, "role": self.role, "steps": c.steps,
             "prefill_tokens": c.prefill_tokens, "decode_tokens": c.decode_tokens,
             "steps_with_prefill": c.steps_with_prefill, "preemptions": c.preemptions,
-            "free_blocks": self.engine.pool.num_free, "cached_blocks": self.engine.pool.num_cached,
-            "used_blocks": self.engine.pool.num_used, "total_blocks": self.engine.pool.num_blocks,
-            "running": self._load[2], "waiting": self._load[3],
-            "kv_bytes_sent": self.kv_bytes_sent, "kv_bytes_received": self.kv_bytes_received,
+            **self.engine.cache_stats(), "running": self._load.running, "waiting": self._load.waiting,
+            "kv_bytes_sent": sent, "kv_bytes_received": received,
         }

@@ -18,8 +18,8 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from engine.config import ModelConfig
-from engine.model_files import ModelLoadError
+from pdserve.model.config import ModelConfig
+from pdserve.text.model_files import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from engine.chat_template import render_chat_template
-from engine.model_files import ModelLoadError
+from pdserve.text.chat_template import render_chat_template
+from pdserve.text.model_files import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

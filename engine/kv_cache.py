@@ -1,23 +1,28 @@
-"""A request's KV blocks as one payload tensor: gather on the prefill side, scatter on decode.
+"""The paged KV cache's layout, and moving whole blocks in and out of it.
 
     kv_cache  [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]   (2 = key, value)
     payload   [num_layers, 2, n,          block_size, num_kv_heads, head_dim]
               payload[:, :, i] == kv_cache[:, :, block_ids[i]]
 
-A payload covers the first `num_computed_tokens` tokens of its request, so
-n == ceil(num_computed_tokens / block_size); the tail of the last block is unspecified.
+A request's payload covers its first `num_computed_tokens` tokens, so
+n == ceil(num_computed_tokens / block_size); the tail of the last block is unspecified. The
+ModelRunner's `read_blocks` / `write_blocks` (what the KV connectors call) are these functions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import msgspec
 import torch
 
-from kvtransfer.protocol import KVTransfer, ModelFingerprint
+from pdserve.model.config import ModelConfig
 
 BlockIds = Sequence[int] | torch.Tensor
+
+
+def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * itemsize
 
 
 class KVPayloadError(ValueError):
@@ -56,40 +61,3 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: BlockIds, payload: torch.T
             f"payload dtype {payload.dtype} differs from the cache's {kv_cache.dtype}"
         )
     kv_cache.index_copy_(2, ids, payload.to(kv_cache.device))
-
-
-def fingerprint_mismatch(a: ModelFingerprint, b: ModelFingerprint) -> str | None:
-    """None when both describe the same KV layout; else the first differing field, for a NACK."""
-    for field in a.__struct_fields__:
-        va, vb = getattr(a, field), getattr(b, field)
-        if va != vb:
-            return f"model fingerprint differs in {field}: {va!r} != {vb!r}"
-    return None
-
-
-def fingerprint_matches(a: ModelFingerprint, b: ModelFingerprint) -> bool:
-    return fingerprint_mismatch(a, b) is None
-
-
-def payload_shape_mismatch(meta: KVTransfer) -> str | None:
-    """None when `meta.tensor` is the payload its own fingerprint and token count imply."""
-    fp, header = meta.fingerprint, meta.tensor
-    if meta.num_computed_tokens < 1:
-        return f"num_computed_tokens must be positive, got {meta.num_computed_tokens}"
-    if fp.block_size < 1:
-        return f"fingerprint block_size must be positive, got {fp.block_size}"
-    n = -(-meta.num_computed_tokens // fp.block_size)
-    expected = (fp.num_layers, 2, n, fp.block_size, fp.num_kv_heads, fp.head_dim)
-    if tuple(header.shape) != expected:
-        return (
-            f"payload shape {list(header.shape)} does not match {list(expected)} "
-            f"({meta.num_computed_tokens} tokens in blocks of {fp.block_size})"
-        )
-    if header.dtype != fp.dtype:
-        return f"payload dtype {header.dtype} differs from the fingerprint's {fp.dtype}"
-    return None
-
-
-def with_header(meta: KVTransfer, **changes: object) -> KVTransfer:
-    """`meta` with some fields replaced (transports fill in tensor, transport, location, lease)."""
-    return msgspec.structs.replace(meta, **changes)

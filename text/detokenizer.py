@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.tokenizer import Tokenizer
+from pdserve.text.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 

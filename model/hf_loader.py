@@ -12,8 +12,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from engine.config import ModelConfig
-from engine.model_files import ModelLoadError
+from pdserve.model.config import ModelConfig
+from pdserve.text.model_files import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

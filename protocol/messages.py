@@ -17,9 +17,9 @@ from typing import Literal
 
 import msgspec
 
-from engine.sampling_params import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Register lost health_address, TokenEvents kv_sent_at
 
 Role = Literal["prefill", "decode", "colocated"]
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -57,7 +57,6 @@ class Register(_Msg, tag="register"):
     worker_id: str
     role: Role
     kv_address: str  # where this worker's KV channel listens ("" when it has none)
-    health_address: str
     fingerprint: ModelFingerprint
     num_blocks: int
     max_model_len: int
@@ -104,8 +103,6 @@ class TokenEvents(_Msg, tag="tokens"):
 
     worker_id: str
     events: tuple[TokenEvent, ...]
-    # Prefill only: when the KV of these requests was handed to the transport (time.time()).
-    kv_sent_at: float | None = None
 
 
 class Goodbye(_Msg, tag="goodbye"):
@@ -188,25 +185,3 @@ Message = (
     | KVTransfer
     | KVAck
 )
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
-
-
-class ProtocolError(ValueError):
-    """A frame that is not a valid message of this protocol version."""
-
-
-def encode(msg: Message) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decode(data: bytes | memoryview) -> Message:
-    """Decode one message strictly; raise ProtocolError for anything else (never unpickles)."""
-    try:
-        msg = _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(str(exc)) from None
-    if msg.version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {msg.version} is not supported (this is {PROTOCOL_VERSION})")
-    return msg

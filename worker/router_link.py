@@ -21,19 +21,17 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from kvtransfer.protocol import (
+from pdserve.protocol.codec import ProtocolError, decode, encode
+from pdserve.protocol.messages import (
     Abort,
     GenerateRequest,
     Goodbye,
     Heartbeat,
     Message,
     PrefillRequest,
-    ProtocolError,
     Register,
     RegisterAck,
     TokenEvents,
-    decode,
-    encode,
 )
 
 log = logging.getLogger(__name__)

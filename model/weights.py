@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
-from engine.gguf_loader import load_gguf
-from engine.hf_loader import load_hf
-from engine.model_files import ModelFormat, ModelLoadError, resolve_model
-from engine.tokenizer import Tokenizer
+from pdserve.model.config import ModelConfig
+from pdserve.model.gguf_loader import load_gguf
+from pdserve.model.hf_loader import load_hf
+from pdserve.text.model_files import ModelFormat, ModelLoadError, resolve_model
+from pdserve.text.tokenizer import Tokenizer
 
 __all__ = ["LoadedModel", "ModelLoadError", "expected_shapes", "load_model", "validate_state_dict"]
 

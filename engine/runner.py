@@ -12,20 +12,17 @@ import logging
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
-from engine.config import EngineConfig, ModelConfig
-from engine.model import LlamaForCausalLM
-from engine.request import Request
-from engine.sampler import Sampler, SampleResult
-from engine.scheduler import ScheduledRequest
-from kernels import get_backend
+from pdserve.config.engine import EngineConfig
+from pdserve.engine.kv_cache import BlockIds, gather_blocks, scatter_blocks
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sampler, SampleResult
+from pdserve.engine.scheduler import ScheduledRequest
+from pdserve.kernels.backends import get_backend
+from pdserve.model.attention_metadata import AttentionMetadata
+from pdserve.model.config import ModelConfig, torch_dtype
+from pdserve.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
-
-
-def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * itemsize
 
 
 class ModelRunner:
@@ -33,7 +30,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, state_dict, max_model_len: int, num_blocks: int) -> None:
         self.device = torch.device(config.device)
-        self.dtype = config.torch_dtype
+        self.dtype = torch_dtype(config.dtype)
         self.block_size = config.block_size
         self.backend = get_backend(self.device, config.attention_backend)
         self.model = LlamaForCausalLM(model_config, self.backend, max_positions=max_model_len)
@@ -45,6 +42,14 @@ class ModelRunner:
             (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim), dtype=self.dtype, device=self.device
         )
         self.sampler = Sampler()
+
+    def read_blocks(self, block_ids: BlockIds) -> torch.Tensor:
+        """A contiguous copy of these blocks, [L, 2, n, S, Hkv, D] (what a KV save ships)."""
+        return gather_blocks(self.kv_cache, block_ids)
+
+    def write_blocks(self, block_ids: BlockIds, payload: torch.Tensor) -> None:
+        """Copy payload block i into block `block_ids[i]` (a KV load); KVPayloadError if it does not fit."""
+        scatter_blocks(self.kv_cache, block_ids, payload)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> tuple[list[Request], SampleResult | None]:

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention_metadata import AttentionMetadata
-from engine.config import ModelConfig
-from kernels import AttentionBackend
+from pdserve.kernels.interface import AttentionBackend
+from pdserve.model.attention_metadata import AttentionMetadata
+from pdserve.model.config import ModelConfig
 
 
 class Linear(nn.Module):

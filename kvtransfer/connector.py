@@ -1,0 +1,241 @@
+"""The two KV connectors of a disaggregated deployment (the seam is engine/kv_connector.py).
+
+PrefillConnector, on a prefill worker. The engine runs each request capped at one output token.
+When the cap ends it but the request would go on (its real `max_tokens`, EOS and the context
+allow), the connector holds its blocks, saves them out to the decode worker the router named
+once the first token is published, and releases them on that worker's KVAck or the transport's
+lease expiry (which also yields a NACK):
+
+    request_finished -> held + KVSave  -> save(): read_blocks -> sender.send   (in flight)
+    poll_acks(): KVAck -> released -> the scheduler frees the blocks (they stay in the prefix cache)
+
+DecodeConnector, on a decode worker. A transfer that arrived and verified is kept here while its
+request waits for admission; admission allocates blocks for the transferred tokens, and the
+step's load copies the payload into them before the model runs:
+
+    expect(ReceivedKV) -> num_external_tokens -> on_allocated -> KVLoad -> load(): write_blocks
+    -> result (ACK, or NACK with the reason) for the decode worker to send back
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import msgspec
+
+from pdserve.engine.kv_cache import KVPayloadError
+from pdserve.engine.kv_connector import (
+    KVConnectorMetadata,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    KVLoad,
+    KVSave,
+)
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.runner import ModelRunner
+from pdserve.kvtransfer.tensors import describe
+from pdserve.kvtransfer.transport import KVSender, ReceivedKV, make_sender
+from pdserve.protocol.messages import KVTransfer, ModelFingerprint
+from pdserve.protocol.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class HandoffTarget:
+    """Where a prefill request's KV goes, and the sampling it continues with there."""
+
+    address: str
+    transport: str
+    sampling: SamplingParams  # the request's own; the engine here runs it capped at one token
+    first_token_at: float = 0.0  # its first token was out (handed to the router link)
+    sent_at: float = 0.0  # KV handed to the transport
+    nbytes: int = 0
+
+
+class HandoffResult(NamedTuple):
+    request_id: str
+    ok: bool
+    reason: str
+
+
+def first_token_only(sampling: SamplingParams) -> SamplingParams:
+    """What a prefill engine runs: the same sampling, stopped after the first token."""
+    return msgspec.structs.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
+
+
+class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
+    """Holds, ships and releases the KV of requests that continue on a decode worker."""
+
+    def __init__(self, fingerprint: ModelFingerprint, worker_id: str, max_model_len: int,
+                 lease_s: float = 5.0) -> None:
+        self.fingerprint = fingerprint
+        self.worker_id = worker_id
+        self.max_model_len = max_model_len
+        self.lease_s = lease_s
+        self.targets: dict[str, HandoffTarget] = {}  # accepted, not finished here yet
+        self.in_flight: dict[str, HandoffTarget] = {}  # saved; waiting for the ack
+        self.handoffs: deque[dict] = deque(maxlen=64)  # recent hand-off timelines, for /info
+        self.bytes_sent = 0
+        self.transfer_seconds = 0.0
+        self._held: dict[str, HandoffTarget] = {}  # held by the scheduler, not yet saved
+        self._released: list[str] = []
+        self._senders: dict[str, KVSender] = {}
+
+    # --- the prefill worker's side -----------------------------------------------------------
+    def expect(self, request_id: str, target: HandoffTarget) -> None:
+        self.targets[request_id] = target
+
+    def forget(self, request_id: str) -> None:
+        """The request was aborted: nothing more to ship (a transfer in flight still ends in an
+        ack or a lease expiry)."""
+        self.targets.pop(request_id, None)
+        self._held.pop(request_id, None)
+
+    def poll_acks(self) -> list[HandoffResult]:
+        """Acks that came back since the last call; each releases its request's blocks."""
+        out = []
+        for sender in self._senders.values():
+            for ack in sender.poll_acks():
+                self._released.append(ack.request_id)
+                target = self.in_flight.pop(ack.request_id, None)
+                if target is None:
+                    continue
+                now = time.time()
+                self.handoffs.append({"request_id": ack.request_id, "ok": ack.ok, "bytes": target.nbytes,
+                                      "first_token_at": target.first_token_at, "kv_sent_at": target.sent_at,
+                                      "kv_acked_at": now})
+                if ack.ok:
+                    self.bytes_sent += target.nbytes
+                    self.transfer_seconds += now - target.sent_at
+                out.append(HandoffResult(ack.request_id, ack.ok, ack.reason))
+        return out
+
+    def close(self) -> None:
+        for sender in self._senders.values():
+            sender.close()
+
+    # --- scheduler half ----------------------------------------------------------------------
+    def num_external_tokens(self, req: Request) -> int:
+        return 0
+
+    def on_allocated(self, req: Request, block_ids: list[int], num_external: int, meta: KVConnectorMetadata) -> None:
+        raise AssertionError("a prefill worker loads no KV")
+
+    def request_finished(self, req: Request, meta: KVConnectorMetadata) -> bool:
+        target = self.targets.pop(req.request_id, None)
+        if target is None or req.status is not RequestStatus.FINISHED_LENGTH:
+            return False  # stopped for good (EOS, a stop token), aborted, or not ours
+        if req.num_output_tokens >= target.sampling.max_tokens or req.num_tokens >= self.max_model_len:
+            return False  # its own limit, not the cap: it ends here
+        self._held[req.request_id] = target
+        meta.saves.append(KVSave(req, list(req.block_ids)))
+        return True
+
+    def take_released(self) -> list[str]:
+        out, self._released = self._released, []
+        return out
+
+    # --- worker half -------------------------------------------------------------------------
+    def load(self, loads: list[KVLoad], runner: ModelRunner) -> dict[str, str]:
+        raise AssertionError("a prefill worker loads no KV")
+
+    def save(self, saves: list[KVSave], runner: ModelRunner) -> None:
+        published = time.time()  # the engine saves only after the step's tokens were handed on
+        for save in saves:
+            req = save.request
+            target = self._held.pop(req.request_id, None)
+            if target is None:
+                continue
+            target.first_token_at = published
+            payload = runner.read_blocks(save.block_ids)
+            meta = KVTransfer(
+                request_id=req.request_id, prefill_worker_id=self.worker_id,
+                prompt_token_ids=tuple(req.prompt_token_ids), output_token_ids=tuple(req.output_token_ids),
+                sampling=target.sampling, num_computed_tokens=req.num_computed_tokens,
+                fingerprint=self.fingerprint, tensor=describe(payload, with_checksum=False),
+                transport=target.transport, arrival_time=req.arrival_time,
+            )
+            target.sent_at, target.nbytes = time.time(), payload.numel() * payload.element_size()
+            self.in_flight[req.request_id] = target
+            self._sender(target.transport).send(target.address, meta, payload)
+
+    def _sender(self, kind: str) -> KVSender:
+        if kind not in self._senders:
+            self._senders[kind] = make_sender(kind, lease_s=self.lease_s)
+        return self._senders[kind]
+
+
+class DecodeConnector(KVConnectorScheduler, KVConnectorWorker):
+    """Keeps arrived transfers until their requests are admitted, then loads them."""
+
+    def __init__(self) -> None:
+        self.arrived: dict[str, ReceivedKV] = {}  # verified, its request waiting for blocks
+        self.bytes_received = 0
+        self._results: list[HandoffResult] = []
+
+    # --- the decode worker's side ------------------------------------------------------------
+    def expect(self, rkv: ReceivedKV) -> None:
+        self.arrived[rkv.meta.request_id] = rkv
+
+    def give_up(self, request_id: str, reason: str) -> None:
+        """Refuse an arrived transfer that was not loaded (NACK with `reason`)."""
+        if self.arrived.pop(request_id, None) is not None:
+            self._results.append(HandoffResult(request_id, False, reason))
+
+    def expired(self) -> list[str]:
+        """Arrived transfers whose sender's lease ran out before their request was admitted."""
+        now = time.time()
+        return [rid for rid, rkv in self.arrived.items() if not rkv.within_lease(now)]
+
+    def take_results(self) -> list[HandoffResult]:
+        """Loads done or refused since the last call: the ACKs and NACKs to send."""
+        out, self._results = self._results, []
+        return out
+
+    # --- scheduler half ----------------------------------------------------------------------
+    def num_external_tokens(self, req: Request) -> int:
+        rkv = self.arrived.get(req.request_id)
+        return rkv.meta.num_computed_tokens if rkv is not None else 0
+
+    def on_allocated(self, req: Request, block_ids: list[int], num_external: int, meta: KVConnectorMetadata) -> None:
+        meta.loads.append(KVLoad(req.request_id, block_ids, num_external))
+
+    def request_finished(self, req: Request, meta: KVConnectorMetadata) -> bool:
+        self.give_up(req.request_id, "aborted" if req.status is RequestStatus.FINISHED_ABORTED else req.status.value)
+        return False
+
+    def take_released(self) -> list[str]:
+        return []
+
+    # --- worker half -------------------------------------------------------------------------
+    def load(self, loads: list[KVLoad], runner: ModelRunner) -> dict[str, str]:
+        failures: dict[str, str] = {}
+        for load in loads:
+            rkv = self.arrived.pop(load.request_id, None)
+            if rkv is None or rkv.payload is None:
+                failures[load.request_id] = "KV transfer is gone"
+                continue
+            if rkv.within_lease():
+                try:
+                    runner.write_blocks(load.block_ids, rkv.payload)
+                except (KVPayloadError, RuntimeError) as exc:
+                    failures[load.request_id] = f"KV transfer refused: {exc}"
+                    self._results.append(HandoffResult(load.request_id, False, str(exc)))
+                    continue
+            # The sender may reuse a shm / CUDA IPC region after its lease: trust only a copy
+            # that finished within it.
+            if not rkv.within_lease():
+                failures[load.request_id] = "KV transfer lease expired"
+                self._results.append(HandoffResult(load.request_id, False, "lease expired"))
+                continue
+            self.bytes_received += rkv.meta.tensor.nbytes
+            self._results.append(HandoffResult(load.request_id, True, ""))
+        return failures
+
+    def save(self, saves: list[KVSave], runner: ModelRunner) -> None:
+        raise AssertionError("a decode worker saves no KV")

@@ -1,0 +1,195 @@
+"""The KV connector seam in one process: a prefill engine and a decode engine joined by the
+PrefillConnector, a real transport and the DecodeConnector, checked against the colocated engine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from pdserve.config.engine import EngineConfig
+from pdserve.config.names import CHUNKED, DECODE_ONLY
+from pdserve.engine.engine import Engine, context_length
+from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.llm import LLM
+from pdserve.kvtransfer.connector import (
+    DecodeConnector,
+    HandoffTarget,
+    PrefillConnector,
+    first_token_only,
+)
+from pdserve.kvtransfer.payload import with_header
+from pdserve.kvtransfer.transport import ReceivedKV, make_receiver
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.worker.loop import model_fingerprint
+
+CFG = EngineConfig(num_kv_blocks=128, block_size=4, max_num_batched_tokens=64)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[1 + (7 * i + j) % 300 for j in range(5 + 3 * i)] for i in range(6)]
+WAIT = 30.0
+
+
+class Pair:
+    """A prefill engine and a decode engine, driven the way the two workers' loops drive them."""
+
+    def __init__(self, loaded, kind: str = "tcp") -> None:
+        fp = model_fingerprint(CFG, loaded)
+        self.out_conn = PrefillConnector(fp, "prefill-test", context_length(CFG, loaded.config), lease_s=10.0)
+        self.prefill = Engine(replace(CFG, policy=CHUNKED), loaded, KVConnector(self.out_conn, self.out_conn))
+        self.in_conn = DecodeConnector()
+        self.decode = Engine(replace(CFG, policy=DECODE_ONLY), loaded, KVConnector(self.in_conn, self.in_conn))
+        self.receiver = make_receiver(kind, "tcp://127.0.0.1:0", fingerprint=fp)
+        self.kind = kind
+        self.tokens: dict[str, list[int]] = {}
+        self.finish: dict[str, str] = {}
+        self.prefill_outputs = []
+        self.decode_outputs = []
+        self.nacks: list = []
+
+    def submit(self, rid: str, prompt: list[int], sampling: SamplingParams = GREEDY) -> None:
+        self.prefill.add_request(rid, prompt, first_token_only(sampling))
+        self.out_conn.expect(rid, HandoffTarget(self.receiver.address, self.kind, sampling))
+        self.tokens[rid] = []
+
+    def turn(self, admit=None) -> None:
+        self.prefill.reclaim()
+        if self.prefill.has_unfinished():
+            outs = self.prefill.step()
+            self.prefill_outputs += outs
+            self._record(outs)
+            self.prefill.save_kv()
+        self.nacks += [r for r in self.out_conn.poll_acks() if not r.ok]
+        for rkv in self.receiver.poll(timeout=0.01):
+            (admit or self.admit)(rkv)
+        if self.decode.has_unfinished():
+            outs = self.decode.step()
+            self.decode_outputs += outs
+            self._record(outs)
+        for r in self.in_conn.take_results():
+            self.receiver.ack(r.request_id, r.ok, r.reason)
+
+    def admit(self, rkv: ReceivedKV) -> None:
+        assert rkv.ok, rkv.reason
+        meta = rkv.meta
+        self.in_conn.expect(rkv)
+        self.decode.add_request(meta.request_id, list(meta.prompt_token_ids), meta.sampling,
+                                output_token_ids=list(meta.output_token_ids))
+
+    def run(self, admit=None) -> None:
+        deadline = time.monotonic() + WAIT
+        while len(self.finish) < len(self.tokens) or self.out_conn.in_flight:
+            assert time.monotonic() < deadline, f"stuck: finished {sorted(self.finish)}"
+            self.turn(admit)
+        self.turn()  # the last acks release the prefill blocks
+
+    def _record(self, outs) -> None:
+        for o in outs:
+            self.tokens[o.request_id].extend(o.new_token_ids)
+            if o.finish_reason:
+                self.finish[o.request_id] = o.finish_reason
+
+    def close(self) -> None:
+        self.out_conn.close()
+        self.receiver.close()
+
+
+@pytest.fixture
+def pair(tiny, request):
+    p = Pair(tiny, getattr(request, "param", "tcp"))
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny):
+    llm = LLM(loaded=tiny, config=CFG)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("pair", ["tcp", "shm"], indirect=True)
+def test_handoff_through_the_connectors_equals_the_colocated_engine(pair, colocated):
+    for i, prompt in enumerate(PROMPTS):
+        pair.submit(f"r{i}", prompt)
+    pair.run()
+    assert [pair.tokens[f"r{i}"] for i in range(len(PROMPTS))] == colocated
+    assert set(pair.finish.values()) == {"length"}
+    assert not pair.nacks
+
+
+def test_prefill_engine_holds_the_kv_and_reports_no_finish_for_a_request_that_goes_on(pair):
+    pair.submit("r0", PROMPTS[3])
+    pair.run()
+    first = [o for o in pair.prefill_outputs if o.request_id == "r0"]
+    assert len(first) == 1 and first[0].kv_held and first[0].finish_reason is None
+    assert len(first[0].new_token_ids) == 1
+
+
+def test_decode_engine_never_computes_a_prompt_token(pair):
+    for i, prompt in enumerate(PROMPTS):
+        pair.submit(f"r{i}", prompt)
+    pair.run()
+    assert pair.decode.counters.prefill_tokens == 0
+    assert pair.decode.counters.decode_tokens == sum(GREEDY.max_tokens - 1 for _ in PROMPTS)
+
+
+def test_every_block_is_free_on_both_sides_once_the_handoffs_are_acked(pair):
+    for i, prompt in enumerate(PROMPTS):
+        pair.submit(f"r{i}", prompt)
+    pair.run()
+    for engine in (pair.prefill, pair.decode):
+        engine.pool.check_integrity()
+        assert engine.cache_stats()["used_blocks"] == 0
+
+
+def test_a_request_that_ends_at_its_first_token_is_not_handed_off(pair):
+    pair.submit("one", PROMPTS[0], replace_sampling(max_tokens=1))
+    pair.run()
+    assert pair.finish == {"one": "length"} and len(pair.tokens["one"]) == 1
+    assert not pair.out_conn.handoffs and not pair.in_conn.arrived
+    assert pair.prefill.cache_stats()["used_blocks"] == 0
+
+
+def test_aborting_a_held_request_frees_its_prefill_blocks_at_once(pair):
+    pair.submit("r0", PROMPTS[4])
+    pair.prefill.step()
+    pair.prefill.save_kv()
+    assert pair.prefill.cache_stats()["used_blocks"] > 0 and "r0" in pair.out_conn.in_flight
+    pair.prefill.abort(["r0"])
+    pair.out_conn.forget("r0")
+    assert pair.prefill.cache_stats()["used_blocks"] == 0
+    pair.prefill.abort(["r0"])  # idempotent
+
+
+def test_a_payload_that_does_not_fit_fails_only_its_own_request(pair, colocated):
+    def admit_with_one_bad(rkv: ReceivedKV) -> None:
+        if rkv.meta.request_id == "bad":
+            rkv.payload = rkv.payload[:, :, :1]  # one block short of its header
+        pair.admit(rkv)
+
+    pair.submit("bad", PROMPTS[5])
+    pair.submit("good", PROMPTS[2])
+    pair.run(admit_with_one_bad)
+    assert pair.finish == {"bad": "error", "good": "length"}
+    assert pair.tokens["good"] == colocated[2]
+    bad = [o for o in pair.decode_outputs if o.request_id == "bad"]
+    assert bad[-1].error and "KV" in bad[-1].error
+    assert pair.decode.cache_stats()["used_blocks"] == 0
+
+
+def test_kv_whose_lease_ran_out_is_never_decoded(pair):
+    def admit_expired(rkv: ReceivedKV) -> None:
+        rkv.meta = with_header(rkv.meta, lease_deadline=time.time() - 1.0)
+        pair.admit(rkv)
+
+    pair.submit("late", PROMPTS[1])
+    pair.run(admit_expired)
+    assert pair.finish == {"late": "error"}
+    assert len(pair.tokens["late"]) == 1  # only the prefill worker's first token
+    assert pair.decode.counters.decode_tokens == 0
+
+
+def replace_sampling(**changes) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(GREEDY, **changes)

@@ -1,0 +1,64 @@
+"""The distribution installs one import name, `pdserve`, and leaves every other name free."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_DIR = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+
+
+def run_python(code: str, cwd: Path, *args: str) -> str:
+    out = subprocess.run([sys.executable, *args, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
+                    str(ROOT)], check=True, timeout=300, capture_output=True)
+    (whl,) = out.glob("pdserve-*.whl")
+    return whl
+
+
+def test_hugging_face_kernels_keeps_its_import_name_even_from_the_checkout_root():
+    where = run_python("import kernels; print(kernels.__file__)", ROOT)
+    assert where != "None" and Path(where).resolve().is_relative_to(Path(sysconfig.get_paths()["purelib"]).resolve())
+    assert run_python("import kernels, transformers; print(hasattr(kernels, 'get_kernel'))", ROOT) == "True"
+
+
+def test_pdserve_kernels_is_the_kernels_folder():
+    where = run_python("import pdserve.kernels.reference as r; print(r.__file__)", ROOT)
+    assert Path(where).resolve() == ROOT / "kernels" / "reference.py"
+
+
+def test_the_wheel_holds_every_package_under_pdserve_and_nothing_else(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"pdserve"}
+    for package, folder in PACKAGE_DIR.items():
+        sources = {p.relative_to(ROOT / folder).as_posix() for p in (ROOT / folder).glob("*.py")}
+        inside = "/".join(package.split(".")) + "/"
+        assert sources <= {n[len(inside):] for n in names if n.startswith(inside)}, package
+
+
+def test_the_installed_wheel_imports_from_its_own_files(wheel, tmp_path):
+    """Installed (no checkout on the path, no editable finder), `pdserve.*` resolves inside site."""
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, timeout=300, capture_output=True)
+    deps = sysconfig.get_paths()["purelib"]
+    code = (f"import sys; sys.path[:0] = [{str(target)!r}, {deps!r}]; "
+            "import pdserve.kernels.reference as k, pdserve.router.app as a, pdserve.protocol.codec as c; "
+            "print(k.__file__, a.__file__, c.__file__)")
+    files = run_python(code, tmp_path, "-S", "-I").split()
+    assert all(Path(f).is_relative_to(target) for f in files), files
