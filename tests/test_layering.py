@@ -16,6 +16,7 @@ A package imports only packages of lower rank, never a sibling, and always as `p
 from __future__ import annotations
 
 import ast
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -83,8 +84,8 @@ def package_edges() -> dict[str, dict[str, list[str]]]:
 
 
 def test_every_top_level_code_folder_has_a_rank():
-    code_dirs = {d.name for d in ROOT.iterdir()
-                 if d.is_dir() and not d.name.startswith(".") and any(d.rglob("*.py"))}
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    code_dirs = {Path(f).parts[0] for f in tracked.stdout.split() if len(Path(f).parts) > 1}
     assert code_dirs - {"tests"} == set(RANKS)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -23,9 +24,14 @@ def run_python(code: str, cwd: Path, *args: str) -> str:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    """The wheel, built from a copy of the sources (a build writes build/ and *.egg-info beside them)."""
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for folder in set(PACKAGE_DIR.values()):
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                    str(ROOT)], check=True, timeout=300, capture_output=True)
+                    str(src)], check=True, timeout=300, capture_output=True)
     (whl,) = out.glob("pdserve-*.whl")
     return whl
 
