@@ -97,7 +97,7 @@ def engine_config(args: argparse.Namespace, policy: str | None = None) -> Engine
     values["attention_backend"] = values["attention_backend"] or None
     return EngineConfig(
         **values,
-        policy=policy or getattr(args, "policy", CHUNKED),
+        policy=policy or str(getattr(args, "policy", CHUNKED)),
         waiting_served_ratio=getattr(args, "waiting_served_ratio", 0.0),
         enable_prefix_caching=not args.no_prefix_caching,
     )

@@ -57,15 +57,16 @@ class LLM:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         if prompt and isinstance(prompt[0], dict):
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True))
-        return [int(t) for t in prompt]  # type: ignore[union-attr]
+            messages: list[dict[str, Any]] = list(prompt)  # type: ignore[arg-type]
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return [int(t) for t in prompt]  # type: ignore[arg-type]
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True, arrival_offsets: Sequence[float] | None = None) -> list[GenerationOutput]:
         """Run every prompt to completion. `arrival_offsets` (seconds from now) releases each
         prompt into the engine at that time, for offline arrival-rate experiments."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [prompts]  # type: ignore[list-item,assignment]
         params = sampling_params or SamplingParams(temperature=0.0, max_tokens=64)
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         encoded = [self.encode_prompt(p) for p in prompts]  # type: ignore[arg-type]

@@ -53,9 +53,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     scaling = dict(config.rope_scaling or ())
     if scaling.get("rope_type") == "llama3" or scaling.get("type") == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-        old_len = scaling.get("original_max_position_embeddings", 8192)
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
         wavelen = 2 * math.pi / inv
         smooth = ((old_len / wavelen) - low) / (high - low)
         scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
@@ -75,8 +75,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        cos = self.get_buffer("cos")[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
+        sin = self.get_buffer("sin")[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

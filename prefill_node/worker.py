@@ -36,12 +36,12 @@ class PrefillWorker(Worker):
         usable = tuple(k for k in options.kv_transports if k in available_kinds())
         if usable != options.kv_transports:
             log.warning("KV transports %s are unavailable here; offering %s", options.kv_transports, usable)
-        options = replace(options, kv_transports=usable or ("tcp",),
-                          worker_id=options.worker_id or default_worker_id(cls.role))
+        worker_id = options.worker_id or default_worker_id(cls.role)
+        options = replace(options, kv_transports=usable or ("tcp",), worker_id=worker_id)
         config = replace(config, policy=CHUNKED)
         loaded = loaded or load_model(config.model)
         fingerprint = model_fingerprint(config, loaded)
-        connector = PrefillConnector(fingerprint, options.worker_id, context_length(config, loaded.config),
+        connector = PrefillConnector(fingerprint, worker_id, context_length(config, loaded.config),
                                      lease_s=options.kv_lease)
         engine = Engine(config, loaded, KVConnector(connector, connector))
         return cls(options, engine, fingerprint, connector)

@@ -53,7 +53,7 @@ class TensorHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 # --- control channel: worker -> router -------------------------------------------------------
 
 
-class Register(_Msg, tag="register"):
+class Register(_Msg, tag="register", frozen=True):
     worker_id: str
     role: Role
     kv_address: str  # where this worker's KV channel listens ("" when it has none)
@@ -67,7 +67,7 @@ class Register(_Msg, tag="register"):
     incarnation: str = ""
 
 
-class Heartbeat(_Msg, tag="heartbeat"):
+class Heartbeat(_Msg, tag="heartbeat", frozen=True):
     worker_id: str
     free_blocks: int
     total_blocks: int
@@ -98,27 +98,27 @@ class TokenEvent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     position: int = -1
 
 
-class TokenEvents(_Msg, tag="tokens"):
+class TokenEvents(_Msg, tag="tokens", frozen=True):
     """One worker step's events, batched."""
 
     worker_id: str
     events: tuple[TokenEvent, ...]
 
 
-class Goodbye(_Msg, tag="goodbye"):
+class Goodbye(_Msg, tag="goodbye", frozen=True):
     worker_id: str
 
 
 # --- control channel: router -> worker -------------------------------------------------------
 
 
-class RegisterAck(_Msg, tag="register_ack"):
+class RegisterAck(_Msg, tag="register_ack", frozen=True):
     worker_id: str
     accepted: bool
     reason: str = ""
 
 
-class PrefillRequest(_Msg, tag="prefill"):
+class PrefillRequest(_Msg, tag="prefill", frozen=True):
     request_id: str
     token_ids: tuple[int, ...]
     sampling: SamplingParams
@@ -128,7 +128,7 @@ class PrefillRequest(_Msg, tag="prefill"):
     arrival_time: float = 0.0
 
 
-class GenerateRequest(_Msg, tag="generate"):
+class GenerateRequest(_Msg, tag="generate", frozen=True):
     """Colocated mode: the worker prefills and decodes the request itself."""
 
     request_id: str
@@ -137,14 +137,14 @@ class GenerateRequest(_Msg, tag="generate"):
     arrival_time: float = 0.0
 
 
-class Abort(_Msg, tag="abort"):
+class Abort(_Msg, tag="abort", frozen=True):
     request_ids: tuple[str, ...]
 
 
 # --- KV channel: prefill <-> decode ----------------------------------------------------------
 
 
-class KVTransfer(_Msg, tag="kv"):
+class KVTransfer(_Msg, tag="kv", frozen=True):
     """A prefilled request handed to a decode worker: its tokens so far and its KV blocks.
 
     The KV payload is one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -167,7 +167,7 @@ class KVTransfer(_Msg, tag="kv"):
     lease_deadline: float = 0.0
 
 
-class KVAck(_Msg, tag="kv_ack"):
+class KVAck(_Msg, tag="kv_ack", frozen=True):
     request_id: str
     ok: bool
     reason: str = ""
