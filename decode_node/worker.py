@@ -72,18 +72,26 @@ class DecodeWorker(Worker):
 
     def poll_io(self) -> None:
         for rkv in self.receiver.poll():
-            rid = rkv.meta.request_id
-            if not rkv.ok:
-                self._refuse(rkv, rkv.reason)
-            elif rid in self.aborted:
-                self.receiver.ack(rid, False, "aborted")
-            else:
-                self._queue(rkv)
+            try:
+                self._arrived(rkv)
+            except Exception as exc:  # one bad transfer costs its own request only
+                log.exception("request %s: KV arrival failed", rkv.meta.request_id)
+                self.kv_in.arrived.pop(rkv.meta.request_id, None)
+                self._refuse(rkv, f"internal error: {exc!r}")
         for rid in self.kv_in.expired():
             self.kv_in.give_up(rid, "no KV space on the decode worker")
             self.engine.abort([rid])
             self.emit(error_event(rid, "decode worker out of KV space"))
         self._send_acks()
+
+    def _arrived(self, rkv: ReceivedKV) -> None:
+        rid = rkv.meta.request_id
+        if not rkv.ok:
+            self._refuse(rkv, rkv.reason)
+        elif rid in self.aborted:
+            self.receiver.ack(rid, False, "aborted")
+        else:
+            self._queue(rkv)
 
     def after_step(self) -> None:
         self._send_acks()  # the prefill worker frees its blocks on the ACK: send it at once

@@ -13,6 +13,10 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 
 
+class PoolCorrupted(RuntimeError):
+    """A block pool invariant broke: a bug, never a client's doing."""
+
+
 class BlockPool:
     """Blocks returned by `allocate`/`touch` belong to the caller until it passes them to `free`."""
 
@@ -49,12 +53,21 @@ class BlockPool:
         return len(self._free) + len(self._cached)
 
     def check_integrity(self) -> None:
+        """Raise PoolCorrupted unless free + cached + used == total and every list is consistent
+        (a real check, not an `assert`: it must hold under `python -O` too)."""
         used = sum(1 for r in self.ref_count if r > 0)
-        assert used == self.num_used, f"{used} blocks referenced but {self.num_used} counted used"
-        assert all(self.ref_count[b] == 0 and self.block_hash[b] is None for b in self._free)
-        assert all(self.ref_count[b] == 0 and self.block_hash[b] is not None for b in self._cached)
-        assert all(self.block_hash[b] == h for h, b in self._by_hash.items())
-        assert self.num_free + self.num_cached + self.num_used == self.num_blocks
+        checks = (
+            (used == self.num_used, f"{used} blocks referenced but {self.num_used} counted used"),
+            (all(self.ref_count[b] == 0 and self.block_hash[b] is None for b in self._free),
+             "a free block is referenced or hashed"),
+            (all(self.ref_count[b] == 0 and self.block_hash[b] is not None for b in self._cached),
+             "a cached block is referenced or unhashed"),
+            (all(self.block_hash[b] == h for h, b in self._by_hash.items()), "the hash index is stale"),
+            (self.num_free + self.num_cached + self.num_used == self.num_blocks, "blocks were lost"),
+        )
+        for ok, why in checks:
+            if not ok:
+                raise PoolCorrupted(why)
 
     # --- allocation ------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
@@ -81,7 +94,8 @@ class BlockPool:
         """
         for block in reversed(list(blocks)):
             ref = self.ref_count[block] - 1
-            assert ref >= 0, f"block {block} freed more often than allocated"
+            if ref < 0:
+                raise PoolCorrupted(f"block {block} freed more often than allocated")
             self.ref_count[block] = ref
             if ref == 0:
                 if self.block_hash[block] is not None:

@@ -39,7 +39,8 @@ class KVLoad(NamedTuple):
 
 
 class KVSave(NamedTuple):
-    """Save a finished request's blocks out; they stay allocated until released."""
+    """Copy a request's blocks out: a finished one's (they stay allocated until released), or a
+    pre-empted one's (offloaded before the step runs, since its blocks are free again)."""
 
     request: Request
     block_ids: list[int]
@@ -47,8 +48,10 @@ class KVSave(NamedTuple):
 
 @dataclass(slots=True)
 class KVConnectorMetadata:
-    """What one step asks of the worker half: loads before the model runs, saves after."""
+    """What one step asks of the worker half: offloads, then loads, before the model runs;
+    saves after its outputs are published."""
 
+    offloads: list[KVSave] = field(default_factory=list)
     loads: list[KVLoad] = field(default_factory=list)
     saves: list[KVSave] = field(default_factory=list)
 
@@ -74,6 +77,12 @@ class KVConnectorScheduler(ABC):
     def take_released(self) -> list[str]:
         """Held requests whose blocks may be freed now (each named once)."""
 
+    def request_preempted(self, req: Request, meta: KVConnectorMetadata) -> bool:
+        """`req` is pre-empted and loses its blocks. True: the connector keeps its computed KV
+        (an offload in `meta`) and `num_external_tokens` offers it back at re-admission;
+        False: the request is recomputed from its tokens."""
+        return False
+
 
 class KVConnectorWorker(ABC):
     """The worker's half: moves tensors between the KV cache and the outside world."""
@@ -86,6 +95,11 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def save(self, saves: list[KVSave], runner: ModelRunner) -> None:
         """Ship each saved request's blocks out (after the step's outputs are published)."""
+
+    def offload(self, offloads: list[KVSave], runner: ModelRunner) -> None:
+        """Copy pre-empted requests' blocks out before the step reuses them."""
+        if offloads:
+            raise AssertionError(f"{type(self).__name__} keeps no pre-empted KV")
 
 
 class NoConnector(KVConnectorScheduler, KVConnectorWorker):

@@ -249,10 +249,12 @@ class Scheduler:
         return n
 
     def preempt(self, req: Request, step: Step) -> None:
-        """Drop a running request's blocks and queue it first for recompute."""
+        """Drop a running request's blocks and queue it first: for recompute, or, when the
+        connector keeps its KV (offloaded before this step runs), to load it back."""
         step.remove(req)
         step.out.kv.loads = [load for load in step.out.kv.loads if load.request_id != req.request_id]
         self.running.remove(req)
+        kept = self.connector.request_preempted(req, step.out.kv)
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.num_computed_tokens = 0
@@ -267,7 +269,8 @@ class Scheduler:
             return
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
-        log.info("request %s pre-empted (recompute %d tokens)", req.request_id, req.num_tokens)
+        log.info("request %s pre-empted (%s %d tokens)", req.request_id,
+                 "KV offloaded for" if kept else "recompute", req.num_tokens)
 
     def _blocks_needed(self, req: Request, n: int) -> int:
         return max(0, -(-(req.num_computed_tokens + n) // self.pool.block_size) - len(req.block_ids))

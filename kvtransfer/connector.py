@@ -15,6 +15,10 @@ step's load copies the payload into them before the model runs:
 
     expect(ReceivedKV) -> num_external_tokens -> on_allocated -> KVLoad -> load(): write_blocks
     -> result (ACK, or NACK with the reason) for the decode worker to send back
+
+A decode worker never computes a prompt. When it runs out of blocks and pre-empts a request, the
+connector offloads that request's computed KV to host memory before the step reuses its blocks,
+and loads it back when the request is admitted again (the same path as a transfer).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import msgspec
+import torch
 
 from pdserve.engine.kv_cache import KVPayloadError
 from pdserve.engine.kv_connector import (
@@ -84,6 +89,7 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
         self.transfer_seconds = 0.0
         self._held: dict[str, HandoffTarget] = {}  # held by the scheduler, not yet saved
         self._released: list[str] = []
+        self._failed: list[HandoffResult] = []  # saves that never left
         self._senders: dict[str, KVSender] = {}
 
     # --- the prefill worker's side -----------------------------------------------------------
@@ -97,8 +103,9 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
         self._held.pop(request_id, None)
 
     def poll_acks(self) -> list[HandoffResult]:
-        """Acks that came back since the last call; each releases its request's blocks."""
-        out = []
+        """Acks that came back since the last call (and saves that failed here); each releases
+        its request's blocks."""
+        out, self._failed = self._failed, []
         for sender in self._senders.values():
             for ack in sender.poll_acks():
                 self._released.append(ack.request_id)
@@ -152,21 +159,33 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
             if target is None:
                 continue
             target.first_token_at = published
-            payload = runner.read_blocks(save.block_ids)
-            meta = KVTransfer(
-                request_id=req.request_id, prefill_worker_id=self.worker_id,
-                prompt_token_ids=tuple(req.prompt_token_ids), output_token_ids=tuple(req.output_token_ids),
-                sampling=target.sampling, num_computed_tokens=req.num_computed_tokens,
-                fingerprint=self.fingerprint, tensor=describe(payload, with_checksum=False),
-                transport=target.transport, arrival_time=req.arrival_time,
-            )
-            target.sent_at, target.nbytes = time.time(), payload.numel() * payload.element_size()
-            self.in_flight[req.request_id] = target
-            self._sender(target.transport).send(target.address, meta, payload)
+            try:
+                self._ship(req, save.block_ids, target, runner)
+            except Exception as exc:  # e.g. a decode address the transport cannot dial
+                log.warning("request %s: KV hand-off to %s failed: %r", req.request_id, target.address, exc)
+                self.in_flight.pop(req.request_id, None)
+                self._released.append(req.request_id)
+                self._failed.append(HandoffResult(req.request_id, False, f"cannot send the KV: {exc}"))
+
+    def _ship(self, req: Request, block_ids: list[int], target: HandoffTarget, runner: ModelRunner) -> None:
+        payload = runner.read_blocks(block_ids)
+        meta = KVTransfer(
+            request_id=req.request_id, prefill_worker_id=self.worker_id,
+            prompt_token_ids=tuple(req.prompt_token_ids), output_token_ids=tuple(req.output_token_ids),
+            sampling=target.sampling, num_computed_tokens=req.num_computed_tokens,
+            fingerprint=self.fingerprint, tensor=describe(payload, with_checksum=False),
+            transport=target.transport, arrival_time=req.arrival_time,
+        )
+        target.sent_at, target.nbytes = time.time(), payload.numel() * payload.element_size()
+        self.in_flight[req.request_id] = target
+        self._sender(target.transport).send(target.address, meta, payload)
 
     def _sender(self, kind: str) -> KVSender:
         if kind not in self._senders:
-            self._senders[kind] = make_sender(kind, lease_s=self.lease_s)
+            options: dict[str, object] = {"lease_s": self.lease_s}
+            if kind == "shm":
+                options["owner"] = self.worker_id  # a restarted worker reaps its predecessor's segments
+            self._senders[kind] = make_sender(kind, **options)
         return self._senders[kind]
 
 
@@ -175,7 +194,9 @@ class DecodeConnector(KVConnectorScheduler, KVConnectorWorker):
 
     def __init__(self) -> None:
         self.arrived: dict[str, ReceivedKV] = {}  # verified, its request waiting for blocks
+        self.offloaded: dict[str, tuple[torch.Tensor, int]] = {}  # pre-empted: (KV copy, tokens)
         self.bytes_received = 0
+        self.num_offloads = 0
         self._results: list[HandoffResult] = []
 
     # --- the decode worker's side ------------------------------------------------------------
@@ -200,22 +221,47 @@ class DecodeConnector(KVConnectorScheduler, KVConnectorWorker):
     # --- scheduler half ----------------------------------------------------------------------
     def num_external_tokens(self, req: Request) -> int:
         rkv = self.arrived.get(req.request_id)
-        return rkv.meta.num_computed_tokens if rkv is not None else 0
+        if rkv is not None:
+            return rkv.meta.num_computed_tokens
+        kept = self.offloaded.get(req.request_id)
+        return kept[1] if kept is not None else 0
 
     def on_allocated(self, req: Request, block_ids: list[int], num_external: int, meta: KVConnectorMetadata) -> None:
         meta.loads.append(KVLoad(req.request_id, block_ids, num_external))
 
     def request_finished(self, req: Request, meta: KVConnectorMetadata) -> bool:
         self.give_up(req.request_id, "aborted" if req.status is RequestStatus.FINISHED_ABORTED else req.status.value)
+        self.offloaded.pop(req.request_id, None)
         return False
+
+    def request_preempted(self, req: Request, meta: KVConnectorMetadata) -> bool:
+        if req.request_id in self.arrived:
+            return True  # its transfer was never loaded: it is still here to load
+        n = req.num_computed_tokens
+        if n <= 0:
+            return False
+        meta.offloads.append(KVSave(req, list(req.block_ids)))
+        self.offloaded[req.request_id] = (torch.empty(0), n)
+        return True
 
     def take_released(self) -> list[str]:
         return []
 
     # --- worker half -------------------------------------------------------------------------
+    def offload(self, offloads: list[KVSave], runner: ModelRunner) -> None:
+        for save in offloads:
+            rid = save.request.request_id
+            _, n = self.offloaded[rid]
+            self.offloaded[rid] = (runner.read_blocks(save.block_ids[: -(-n // runner.block_size)]), n)
+            self.num_offloads += 1
+
     def load(self, loads: list[KVLoad], runner: ModelRunner) -> dict[str, str]:
         failures: dict[str, str] = {}
         for load in loads:
+            kept = self.offloaded.pop(load.request_id, None)
+            if kept is not None:
+                runner.write_blocks(load.block_ids, kept[0])
+                continue
             rkv = self.arrived.pop(load.request_id, None)
             if rkv is None or rkv.payload is None:
                 failures[load.request_id] = "KV transfer is gone"

@@ -33,12 +33,13 @@ WAIT = 30.0
 class Pair:
     """A prefill engine and a decode engine, driven the way the two workers' loops drive them."""
 
-    def __init__(self, loaded, kind: str = "tcp") -> None:
+    def __init__(self, loaded, kind: str = "tcp", decode_blocks: int | None = None) -> None:
         fp = model_fingerprint(CFG, loaded)
         self.out_conn = PrefillConnector(fp, "prefill-test", context_length(CFG, loaded.config), lease_s=10.0)
         self.prefill = Engine(replace(CFG, policy=CHUNKED), loaded, KVConnector(self.out_conn, self.out_conn))
         self.in_conn = DecodeConnector()
-        self.decode = Engine(replace(CFG, policy=DECODE_ONLY), loaded, KVConnector(self.in_conn, self.in_conn))
+        self.decode = Engine(replace(CFG, policy=DECODE_ONLY, num_kv_blocks=decode_blocks or CFG.num_kv_blocks),
+                             loaded, KVConnector(self.in_conn, self.in_conn))
         self.receiver = make_receiver(kind, "tcp://127.0.0.1:0", fingerprint=fp)
         self.kind = kind
         self.tokens: dict[str, list[int]] = {}
@@ -189,7 +190,58 @@ def test_kv_whose_lease_ran_out_is_never_decoded(pair):
     assert pair.decode.counters.decode_tokens == 0
 
 
+def test_a_decode_engine_short_of_blocks_offloads_instead_of_recomputing_prompts(tiny, colocated):
+    pair = Pair(tiny, decode_blocks=24)  # six requests need 5-8 blocks each: some must wait
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            pair.submit(f"r{i}", prompt)
+        pair.run()
+        assert pair.decode.counters.preemptions > 0 and pair.in_conn.num_offloads > 0
+        assert pair.decode.counters.prefill_tokens == 0
+        assert [pair.tokens[f"r{i}"] for i in range(len(PROMPTS))] == colocated
+        assert pair.decode.cache_stats()["used_blocks"] == 0 and not pair.in_conn.offloaded
+    finally:
+        pair.close()
+
+
 def replace_sampling(**changes) -> SamplingParams:
     import msgspec
 
     return msgspec.structs.replace(GREEDY, **changes)
+
+
+def test_a_duplicate_transfer_is_refused_and_allocates_nothing(pair):
+    seen = []
+
+    def admit_twice(rkv: ReceivedKV) -> None:
+        pair.admit(rkv)
+        with pytest.raises(ValueError, match="already in use"):
+            pair.decode.add_request(rkv.meta.request_id, list(rkv.meta.prompt_token_ids), rkv.meta.sampling,
+                                    output_token_ids=list(rkv.meta.output_token_ids))
+        seen.append(pair.decode.cache_stats()["used_blocks"])
+
+    pair.submit("r0", PROMPTS[2])
+    pair.run(admit_twice)
+    assert seen == [0]  # nothing allocated before admission, so nothing could leak
+    assert pair.finish == {"r0": "length"} and pair.decode.cache_stats()["used_blocks"] == 0
+
+
+def test_a_decode_address_the_transport_cannot_use_fails_only_its_own_request(pair, colocated):
+    pair.submit("good", PROMPTS[1])
+    pair.prefill.add_request("lost", PROMPTS[4], first_token_only(GREEDY))
+    pair.out_conn.expect("lost", HandoffTarget("not-a-zmq-address", "tcp", GREEDY))
+    pair.tokens["lost"] = []
+    pair.finish["lost"] = "error"  # what the prefill worker reports on the failed hand-off
+    pair.run()
+    assert [r.request_id for r in pair.nacks] == ["lost"] and "cannot send" in pair.nacks[0].reason
+    assert pair.tokens["good"] == colocated[1]
+    assert pair.prefill.cache_stats()["used_blocks"] == 0
+
+
+def test_a_transfer_longer_than_the_decode_context_is_refused_before_any_block(tiny):
+    from pdserve.engine.engine import RequestRejected
+
+    decode = Engine(replace(CFG, policy=DECODE_ONLY, max_model_len=32), tiny, KVConnector(DecodeConnector(), DecodeConnector()))
+    with pytest.raises(RequestRejected, match="context"):
+        decode.add_request("long", list(range(1, 32)), GREEDY, output_token_ids=[5])
+    assert decode.cache_stats()["used_blocks"] == 0 and not decode.has_unfinished()

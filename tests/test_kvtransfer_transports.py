@@ -23,7 +23,7 @@ from pdserve.kvtransfer.transport import (
     make_receiver,
     make_sender,
 )
-from pdserve.kvtransfer.transport.shm import SEGMENT_PREFIX, ShmKVSender, ShmLocation
+from pdserve.kvtransfer.transport.shm import SEGMENT_PREFIX, ShmKVSender, ShmLocation, ShmPool
 from pdserve.protocol import codec, messages
 from pdserve.protocol.messages import KVTransfer, ModelFingerprint
 from pdserve.protocol.sampling import SamplingParams
@@ -429,3 +429,31 @@ def test_cuda_ipc_in_one_process_verifies_on_the_device():
         assert torch.equal(got.payload, payload)
         receiver.ack("req-1", True)
         assert sender.poll_acks(timeout=WAIT)[0].ok
+
+
+def test_a_restarted_shm_sender_unlinks_the_segments_its_killed_predecessor_left(tmp_path):
+    """kill -9 of a process group takes Python's resource tracker with it: nothing unlinks the
+    dead sender's segments, so the next sender of the same owner does."""
+    code = textwrap.dedent(
+        """
+        import os, torch
+        from pdserve.kvtransfer.transport.shm import ShmPool
+        pool = ShmPool(1 << 30, owner="prefill-7")
+        seg = pool.acquire(3 << 20)
+        print(seg.shm.name, flush=True)
+        os.killpg(os.getpgid(0), 9)  # the resource tracker dies too
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         start_new_session=True)
+    (name,) = out.stdout.split()
+    assert name.startswith(f"{SEGMENT_PREFIX}prefill_7-") and os.path.exists(f"/dev/shm/{name}")
+    other = ShmPool(1 << 30, owner="prefill-8")  # another worker's pool leaves it alone
+    assert other.reaped == 0 and os.path.exists(f"/dev/shm/{name}")
+    successor = ShmPool(1 << 30, owner="prefill-7")
+    assert successor.reaped >= 1 and not os.path.exists(f"/dev/shm/{name}")
+    mine = successor.acquire(1 << 20)
+    assert ShmPool(1 << 30, owner="prefill-7").reaped == 0  # a live pool's segments stay
+    assert os.path.exists(f"/dev/shm/{mine.shm.name}")
+    successor.close()
+    other.close()

@@ -57,5 +57,6 @@ class HealthServer:
         return self
 
     def close(self) -> None:
-        self.server.shutdown()
+        if self._thread.is_alive():  # shutdown() waits for serve_forever, which may never have run
+            self.server.shutdown()
         self.server.server_close()

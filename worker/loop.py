@@ -8,6 +8,7 @@ worker/colocated.py) say how work is accepted and what extra I/O to poll.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ import time
 from abc import ABC, abstractmethod
 
 from pdserve.config.engine import EngineConfig
+from pdserve.config.log_limits import RateLimitedLog
 from pdserve.config.worker import WorkerOptions
 from pdserve.engine.engine import Engine, EngineLoad, RequestOutput, RequestRejected
 from pdserve.model.weights import LoadedModel
@@ -65,6 +67,7 @@ class Worker(ABC):
         self.host_id = options.host_id or socket.gethostname()
         self.advertise_host = options.advertise_host or options.host
         self._pending_events: list[TokenEvent] = []
+        self._log_failure = RateLimitedLog(log, logging.ERROR, per_seconds=10.0)
         self._stop = threading.Event()
         self._draining = False
         self._last_tick = time.monotonic()
@@ -133,9 +136,9 @@ class Worker(ABC):
         drain_deadline = None
         while not self._stop.is_set():
             for work in self.link.poll():
-                self._handle(work)
-            self.poll_io()
-            self.engine.reclaim()
+                self._accept_safely(work)
+            self._guarded("transport poll", self.poll_io)
+            self._guarded("block reclaim", self.engine.reclaim)
             if self.engine.has_unfinished():
                 try:
                     outputs = self.engine.step()
@@ -147,8 +150,8 @@ class Worker(ABC):
                 # The step's tokens leave before its KV is saved: a first token never waits on
                 # its transfer.
                 self._flush()
-                self.engine.save_kv()
-                self.after_step()
+                self._guarded("KV save", self.engine.save_kv)
+                self._guarded("post-step I/O", self.after_step)
             else:
                 time.sleep(0.0005)
             self._flush()
@@ -170,6 +173,27 @@ class Worker(ABC):
         self.health.close()
 
     # --- internals -------------------------------------------------------------------------
+    def _accept_safely(self, work) -> None:
+        """One bad message costs its own request, never the worker or the other requests."""
+        try:
+            self._handle(work)
+        except Exception as exc:
+            rid = getattr(work, "request_id", None)
+            self._log_failure("%s %s: %s failed on request %s: %r", self.role, self.worker_id,
+                              type(work).__name__, rid, exc, key="accept")
+            if rid is not None:
+                with contextlib.suppress(Exception):
+                    self.engine.abort([rid])
+                self.emit(error_event(rid, "internal error accepting the request"))
+
+    def _guarded(self, what: str, hook) -> None:
+        """Run one of the loop's I/O hooks; a bug in it is logged (rate-limited), not fatal.
+        The hooks isolate errors per request themselves; this is the last line."""
+        try:
+            hook()
+        except Exception as exc:
+            self._log_failure("%s %s: %s failed: %r", self.role, self.worker_id, what, exc, key=what)
+
     def _handle(self, work) -> None:
         if isinstance(work, Abort):
             self.abort(work.request_ids)

@@ -1,11 +1,13 @@
 """KV through POSIX shared memory (same host, CPU): only the header crosses the zmq socket.
 
-Sender: owns a pool of segments (`/dev/shm/pdserve-kv-<pid>-<token>-<n>`). A transfer takes the
+Sender: owns a pool of segments (`/dev/shm/pdserve-kv-<owner>-<pid>-<token>-<n>`, the owner being
+the worker's id with every character outside [A-Za-z0-9] made `_`). A transfer takes the
 smallest free segment that fits (or creates one of the next power-of-two size, at least 1 MiB,
 while the pool stays under `max_pool_bytes`; idle segments are unlinked to make room), copies the
 payload in, and names it in `location`. The segment returns to the pool on the ack or at lease
-expiry; `close()` unlinks every segment. A crashed sender's segments are unlinked by Python's
-resource tracker.
+expiry; `close()` unlinks every segment. A sender killed outright (kill -9 of its process group
+takes Python's resource tracker with it) leaves its segments behind: the next sender of the same
+owner, its restarted worker, unlinks every segment of that owner whose process is gone.
 
 Receiver: maps segments by name (an LRU of mappings, never registered with the resource
 tracker: the sender owns the names) and hands out zero-copy views. Only names with the pool's
@@ -36,6 +38,7 @@ from pdserve.kvtransfer.transport.tcp import ZmqKVReceiver, ZmqKVSender
 from pdserve.protocol.messages import KVTransfer
 
 SEGMENT_PREFIX = "pdserve-kv-"
+SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^pdserve-kv-[A-Za-z0-9_-]{1,64}$")
 _MIN_SEGMENT = 1 << 20
 
@@ -60,9 +63,11 @@ class _Segment:
 class ShmPool:
     """Reusable shared-memory segments owned by one sender (I/O thread only)."""
 
-    def __init__(self, max_pool_bytes: int) -> None:
+    def __init__(self, max_pool_bytes: int, owner: str = "") -> None:
         self.max_pool_bytes = max_pool_bytes
-        self._stem = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-"
+        self.owner = re.sub(r"[^A-Za-z0-9]", "_", owner)[:24] or "anon"
+        self.reaped = reap_orphans(self.owner) if owner else 0
+        self._stem = f"{SEGMENT_PREFIX}{self.owner}-{os.getpid()}-{secrets.token_hex(4)}-"
         self._count = 0
         self._segments: list[_Segment] = []
 
@@ -109,6 +114,34 @@ class ShmPool:
         seg.shm.unlink()
 
 
+def reap_orphans(owner: str, shm_dir: str = SHM_DIR) -> int:
+    """Unlink the segments of `owner` whose creating process no longer exists; how many."""
+    pattern = re.compile(rf"^{re.escape(SEGMENT_PREFIX + owner)}-(\d+)-[0-9a-f]+-\d+$")
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return 0
+    reaped = 0
+    for name in names:
+        m = pattern.match(name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            _posixshmem.shm_unlink("/" + name)
+            reaped += 1
+    return reaped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class ShmKVSender(ZmqKVSender):
     """Writes each payload into a pooled shm segment; the zmq message names the segment."""
 
@@ -116,9 +149,10 @@ class ShmKVSender(ZmqKVSender):
     leases_region = True
 
     def __init__(
-        self, *, lease_s: float = 5.0, max_pool_bytes: int = 4 << 30, name: str = "kv-sender-shm"
+        self, *, lease_s: float = 5.0, max_pool_bytes: int = 4 << 30, name: str = "kv-sender-shm",
+        owner: str = "",
     ) -> None:
-        self._pool = ShmPool(max_pool_bytes)
+        self._pool = ShmPool(max_pool_bytes, owner)
         super().__init__(lease_s=lease_s, name=name)
 
     def _stage(self, meta: KVTransfer, payload: torch.Tensor) -> tuple[KVTransfer, list, object]:

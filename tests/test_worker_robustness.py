@@ -1,0 +1,119 @@
+"""A worker survives bad input: each failure costs the request it belongs to, never the worker."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.config.engine import EngineConfig
+from pdserve.config.worker import WorkerOptions
+from pdserve.decode_node.worker import DecodeWorker
+from pdserve.engine.block_pool import BlockPool, PoolCorrupted
+from pdserve.kvtransfer.tensors import describe
+from pdserve.kvtransfer.transport import ReceivedKV
+from pdserve.protocol.messages import GenerateRequest, KVTransfer
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.worker.colocated import ColocatedWorker
+from pdserve.worker.loop import model_fingerprint
+
+CFG = EngineConfig(num_kv_blocks=64, block_size=4)
+OPTIONS = WorkerOptions(host="127.0.0.1", kv_port=0, health_port=0)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
+
+
+@pytest.fixture
+def colocated(tiny):
+    w = ColocatedWorker.create(OPTIONS, CFG, loaded=tiny)
+    yield w
+    w.health.close()
+
+
+@pytest.fixture
+def decode(tiny):
+    w = DecodeWorker.create(OPTIONS, CFG, loaded=tiny)
+    acks = []
+    w.receiver.ack = lambda rid, ok, reason="": acks.append((rid, ok, reason))  # type: ignore[method-assign]
+    w.acks = acks
+    yield w
+    w.receiver.close()
+    w.health.close()
+
+
+def errors_of(worker) -> dict[str, str]:
+    return {e.request_id: e.error for e in worker._pending_events if e.finish_reason == "error"}
+
+
+def test_an_unexpected_error_accepting_one_request_fails_only_that_request(colocated, monkeypatch):
+    def broken(work):
+        if work.request_id == "bad":
+            raise RuntimeError("bug")
+        return ColocatedWorker.accept(colocated, work)
+
+    monkeypatch.setattr(colocated, "accept", broken)
+    colocated._accept_safely(GenerateRequest(request_id="bad", token_ids=(1, 2, 3), sampling=GREEDY))
+    colocated._accept_safely(GenerateRequest(request_id="good", token_ids=(1, 2, 3), sampling=GREEDY))
+    assert list(errors_of(colocated)) == ["bad"]
+    assert colocated.engine.request_ids() == ["good"]
+
+
+def test_a_failing_io_hook_is_logged_and_the_loop_goes_on(colocated):
+    def hook():
+        raise OSError("socket gone")
+
+    colocated._guarded("transport poll", hook)  # does not raise
+    colocated._guarded("transport poll", hook)
+
+
+def transfer(rid: str, prompt: list[int], output: list[int], computed: int, fp) -> ReceivedKV:
+    import torch
+
+    payload = torch.zeros(fp.num_layers, 2, -(-max(computed, 1) // fp.block_size), fp.block_size,
+                          fp.num_kv_heads, fp.head_dim)
+    meta = KVTransfer(request_id=rid, prefill_worker_id="p", prompt_token_ids=tuple(prompt),
+                      output_token_ids=tuple(output), sampling=GREEDY, num_computed_tokens=computed,
+                      fingerprint=fp, tensor=describe(payload, with_checksum=False), transport="tcp")
+    return ReceivedKV(meta, payload, ok=True)
+
+
+def test_a_transfer_claiming_all_its_tokens_computed_is_refused(decode, tiny):
+    fp = model_fingerprint(CFG, tiny)
+    decode._arrived(transfer("all", [1, 2, 3, 4], [5], computed=5, fp=fp))
+    assert decode.acks == [("all", False, "num_computed_tokens 5 must be in [1, 5)")]
+    assert "all" in errors_of(decode) and not decode.engine.has_unfinished()
+    assert decode.engine.cache_stats()["used_blocks"] == 0
+
+
+def test_an_unexpected_error_on_one_arrival_refuses_only_that_transfer(decode, tiny, monkeypatch):
+    fp = model_fingerprint(CFG, tiny)
+    real = decode.engine.add_request
+
+    def flaky(rid, *args, **kw):
+        if rid == "bad":
+            raise TypeError("bug")
+        return real(rid, *args, **kw)
+
+    monkeypatch.setattr(decode.engine, "add_request", flaky)
+    monkeypatch.setattr(decode.receiver, "poll", lambda: [transfer("bad", [1, 2, 3], [4], 3, fp),
+                                                          transfer("good", [1, 2, 3], [4], 3, fp)])
+    decode.poll_io()
+    assert [a[:2] for a in decode.acks] == [("bad", False)]
+    assert decode.engine.request_ids() == ["good"] and list(decode.kv_in.arrived) == ["good"]
+
+
+def test_a_pool_invariant_holds_under_python_O():
+    """A double free raises even with asserts compiled out (it was an `assert`)."""
+    code = ("from pdserve.engine.block_pool import BlockPool, PoolCorrupted\n"
+            "p = BlockPool(4, 4); b = p.allocate(1); p.free(b)\n"
+            "try:\n    p.free(b)\nexcept PoolCorrupted as e:\n    print('refused:', e)\n")
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith("refused: block"), out.stderr
+
+
+def test_check_integrity_reports_a_lost_block():
+    pool = BlockPool(4, 4)
+    pool.allocate(1)
+    pool.ref_count[0] = 0  # forget the holder without freeing
+    with pytest.raises(PoolCorrupted):
+        pool.check_integrity()
