@@ -55,7 +55,9 @@ class Cluster:
     @staticmethod
     def _popen(cmd: list[str], log: Path, mode: str) -> subprocess.Popen:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        return subprocess.Popen(cmd, stdout=log.open(mode), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return subprocess.Popen(
+            cmd, stdout=log.open(mode), stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
     def start(self, timeout: float = 180.0) -> Cluster:
         self._spawn("router", ["router", "--port", str(self.port), "--control-address", self.control,

@@ -9,7 +9,9 @@ behaviour of that record:
 - nothing leaks: every worker's /info shows no used block and no running request afterwards,
   and no shared-memory KV segment of a dead process is left in /dev/shm.
 
-Timings are printed (run with -s) and repeated in the assertion messages.
+Timings are printed (run with -s) and repeated in the assertion messages. Two known product bugs
+are strict xfails (ROUTER_ORPHANS, GROUP_KILL_LEAKS_SHM below): they turn into failures once fixed,
+as a reminder to drop the mark.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ from tests.service_harness import Cluster
 pytestmark = pytest.mark.timeout(240)
 
 STREAMS = 4  # concurrent streaming requests in flight at the kill
-MAX_TOKENS = 1500  # far more than can be generated before the kill lands: the streams are live
+# Far more than the streams can generate during a scenario (~15 s at a few hundred tokens/s): they
+# are live at the kill, and requests orphaned by a router kill cannot finish on their own in the
+# leak check's window. The tiny model is built with a context to fit.
+MAX_TOKENS = 6000
+CONTEXT = 8192
 END_WITHIN_S = 5.0  # kill -> the last affected request has ended
 RECOVER_WITHIN_S = 10.0  # restart -> a new request has succeeded
 QUIET_WITHIN_S = 8.0  # then every worker is idle: the prefill's 5 s KV lease has expired
@@ -44,7 +50,7 @@ class Ending:
     """How one client request ended."""
 
     status: int | None = None
-    tokens: int = 0
+    tokens: int = 0  # stream chunks that carried text
     finish_reason: str | None = None
     error_code: str | None = None
     exception: str | None = None
@@ -52,12 +58,13 @@ class Ending:
 
     @property
     def clear(self) -> bool:
-        """Completed, or ended with an error event/status, or a closed connection: never a hang."""
+        """Completed, or ended with an error event/status, or a closed connection: never a hang
+        (a client-side timeout is a hang)."""
         return (
             self.finish_reason is not None
             or self.error_code is not None
             or (self.status is not None and self.status >= 400)
-            or self.exception is not None
+            or (self.exception is not None and "Timeout" not in self.exception)
         )
 
 
@@ -87,7 +94,10 @@ class Chaos:
         return float("inf") if self.recovered_at is None else self.recovered_at - self.restarted_at
 
     def summary(self) -> str:
-        kinds = [e.finish_reason or e.error_code or e.exception or f"status {e.status}" for e in self.endings]
+        kinds = [
+            e.finish_reason or e.error_code or e.exception or f"status {e.status}"
+            for e in self.endings
+        ]
         return (
             f"[chaos] kill -9 {self.victim}{' (its process group)' if self.group else ''} "
             f"({self.transport}): kill -> last affected request ended "
@@ -110,13 +120,20 @@ def segments(pids: set[int]) -> set[str]:
 def stream(base_url: str, model: str, decoding: threading.Semaphore) -> Ending:
     """One streaming completion; releases `decoding` at its second token (the first comes from the
     prefill worker, the second from the decode worker: the KV hand-off is done)."""
-    body = {"model": model, "prompt": "Once upon a time", "max_tokens": MAX_TOKENS, "stream": True,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": "Once upon a time",
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     e, signalled = Ending(), False
     try:
-        with httpx.Client(base_url=base_url, timeout=httpx.Timeout(5.0, read=30.0)) as c, c.stream(
-            "POST", "/v1/completions", json=body
-        ) as r:
+        with (
+            httpx.Client(base_url=base_url, timeout=httpx.Timeout(5.0, read=30.0)) as c,
+            c.stream("POST", "/v1/completions", json=body) as r,
+        ):
             e.status = r.status_code
             if r.status_code != 200:
                 r.read()
@@ -153,7 +170,13 @@ def model_id(c: Cluster) -> str:
 def first_success(c: Cluster, deadline: float) -> tuple[float | None, str]:
     """Poll a short completion until one answers 200 with text; (when, the text) or (None, last)."""
     last = ""
-    body = {"model": model_id(c), "prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": model_id(c),
+        "prompt": "Hello",
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     while time.monotonic() < deadline:
         try:
             r = httpx.post(c.base_url + "/v1/completions", json=body, timeout=5)
@@ -186,8 +209,12 @@ def run_chaos(c: Cluster, victim: str, group: bool, pids: set[int]) -> Chaos:
         futures = [pool.submit(stream, c.base_url, model, started) for _ in range(STREAMS)]
         deadline = time.monotonic() + 60
         for _ in range(STREAMS):  # every stream is decoding: all are in flight
-            assert started.acquire(timeout=max(0.0, deadline - time.monotonic())), "streams never started"
-        assert not any(f.done() for f in futures), "a stream ended before the kill: raise MAX_TOKENS"
+            assert started.acquire(timeout=max(0.0, deadline - time.monotonic())), (
+                "streams never started"
+            )
+        assert not any(f.done() for f in futures), (
+            "a stream ended before the kill: raise MAX_TOKENS"
+        )
         rec.segments_before = segments(pids)  # the KV pool as this load needs it
         rec.dead_pids.add(c.proc(victim).popen.pid)
         rec.killed_at = c.kill(victim, group=group)
@@ -222,13 +249,23 @@ GROUP_KILL_LEAKS_SHM = (
 
 
 @pytest.fixture(scope="module")
-def deployments(tiny_dir, tmp_path_factory):
+def deployments(tmp_path_factory):
     """One deployment per KV transport, started on first use; every pid each one has had."""
+    from tests.helpers.tiny_llama import make_tiny_llama_dir
+
+    model = make_tiny_llama_dir(
+        tmp_path_factory.mktemp("tiny-long"), max_position_embeddings=CONTEXT
+    )
     clusters: dict[str, tuple[Cluster, set[int]]] = {}
 
     def get(transport: str) -> tuple[Cluster, set[int]]:
         if transport not in clusters:
-            c = Cluster(tmp_path_factory.mktemp(f"chaos-{transport}"), str(tiny_dir), transport=transport)
+            c = Cluster(
+                tmp_path_factory.mktemp(f"chaos-{transport}"),
+                str(model),
+                transport=transport,
+                engine_args=("--drain-timeout", "2"),  # stop() does not wait out long streams
+            )
             clusters[transport] = (c.start(), {p.popen.pid for p in c.procs})
         return clusters[transport]
 
@@ -240,8 +277,11 @@ def deployments(tiny_dir, tmp_path_factory):
             (SHM / name).unlink(missing_ok=True)
 
 
-@pytest.fixture(scope="module", params=SCENARIOS,
-                ids=[f"{t}-{v}{'-group' if g else ''}" for t, v, g in SCENARIOS])
+@pytest.fixture(
+    scope="module",
+    params=SCENARIOS,
+    ids=[f"{t}-{v}{'-group' if g else ''}" for t, v, g in SCENARIOS],
+)
 def chaos(request, deployments) -> Chaos:
     transport, victim, group = request.param
     c, pids = deployments(transport)
@@ -254,7 +294,9 @@ def test_kill_9_ends_every_inflight_stream_within_5s(chaos):
 
 
 def test_kill_9_then_restart_serves_a_new_request_within_10s(chaos):
-    assert chaos.recovered_at is not None, f"{chaos.summary()}; last answer: {chaos.recovery_answer}"
+    assert chaos.recovered_at is not None, (
+        f"{chaos.summary()}; last answer: {chaos.recovery_answer}"
+    )
     assert chaos.restart_to_first_success <= RECOVER_WITHIN_S, chaos.summary()
 
 
