@@ -40,7 +40,7 @@ MAX_TOKENS = 6000
 CONTEXT = 8192
 END_WITHIN_S = 5.0  # kill -> the last affected request has ended
 RECOVER_WITHIN_S = 10.0  # restart -> a new request has succeeded
-QUIET_WITHIN_S = 8.0  # then every worker is idle: the prefill's 5 s KV lease has expired
+QUIET_WITHIN_S = 6.0  # then every worker is idle (a KV lease, 5 s from the hand-off, has expired)
 SHM = Path("/dev/shm")
 SEGMENT = re.compile(r"^pdserve-kv-(\d+)-")
 
