@@ -22,6 +22,7 @@ class Proc:
     log: Path
     health: str | None = None  # worker probe base URL
     kv_port: int | None = None
+    argv: list[str] = field(default_factory=list)  # the command line, for a restart
 
 
 @dataclass
@@ -46,12 +47,17 @@ class Cluster:
 
     def _spawn(self, name: str, args: list[str], **kw) -> Proc:
         log = self.tmp / f"{name}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
         cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", *args]
-        popen = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        proc = Proc(name, popen, log, **kw)
+        proc = Proc(name, self._popen(cmd, log, "w"), log, argv=cmd, **kw)
         self.procs.append(proc)
         return proc
+
+    @staticmethod
+    def _popen(cmd: list[str], log: Path, mode: str) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        return subprocess.Popen(
+            cmd, stdout=log.open(mode), stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
     def start(self, timeout: float = 180.0) -> Cluster:
         self._spawn("router", ["router", "--port", str(self.port), "--control-address", self.control,
@@ -77,6 +83,31 @@ class Cluster:
             self._spawn(f"{role}-{i}", args, health=f"http://127.0.0.1:{hp}", kv_port=kv)
         self.wait_ready(timeout)
         return self
+
+    def kill(self, name: str, group: bool = False) -> float:
+        """SIGKILL one process, or with `group` its whole process group (the process and the helpers
+        it started, e.g. multiprocessing's resource tracker), and reap it. Returns the kill's
+        `time.monotonic()`."""
+        p = self.proc(name)
+        if group:
+            os.killpg(p.popen.pid, signal.SIGKILL)
+        else:
+            p.popen.kill()
+        killed_at = time.monotonic()
+        p.popen.wait()
+        return killed_at
+
+    def restart(self, name: str, timeout: float = 60.0) -> float:
+        """Start a dead process again with the same command line (same ports, same worker id) and
+        wait until it and the router are ready. Returns the restart's `time.monotonic()`."""
+        p = self.proc(name)
+        assert p.popen.poll() is not None, f"{name} is still running"
+        started_at = time.monotonic()
+        with p.log.open("a") as f:
+            f.write("\n--- restarted ---\n")
+        p.popen = self._popen(p.argv, p.log, "a")
+        self.wait_ready(timeout)
+        return started_at
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.time() + timeout
