@@ -9,9 +9,9 @@ behaviour of that record:
 - nothing leaks: every worker's /info shows no used block and no running request afterwards,
   and no shared-memory KV segment of a dead process is left in /dev/shm.
 
-Timings are printed (run with -s) and repeated in the assertion messages. Two known product bugs
-are strict xfails (ROUTER_ORPHANS, GROUP_KILL_LEAKS_SHM below): they turn into failures once fixed,
-as a reminder to drop the mark.
+Timings are printed (run with -s) and repeated in the assertion messages. A known product bug is
+a strict xfail (ROUTER_ORPHANS below): it turns into a failure once fixed, as a reminder to drop
+the mark.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ END_WITHIN_S = 5.0  # kill -> the last affected request has ended
 RECOVER_WITHIN_S = 10.0  # restart -> a new request has succeeded
 QUIET_WITHIN_S = 6.0  # then every worker is idle (a KV lease, 5 s from the hand-off, has expired)
 SHM = Path("/dev/shm")
-SEGMENT = re.compile(r"^pdserve-kv-(\d+)-")
+SEGMENT = re.compile(r"^pdserve-kv-[A-Za-z0-9_]+-(\d+)-")  # pdserve-kv-<owner>-<pid>-<token>-<n>
 
 
 @dataclass
@@ -242,11 +242,6 @@ ROUTER_ORPHANS = (
     "product bug: after a router restart the workers re-register but keep generating the dead "
     "router's requests (nobody aborts them) until max_tokens, holding their blocks and batch slots"
 )
-GROUP_KILL_LEAKS_SHM = (
-    "product bug: the shm sender relies on multiprocessing's resource tracker to unlink a crashed "
-    "worker's segments; SIGKILL to the process group kills the tracker too and the segments stay"
-)
-
 
 @pytest.fixture(scope="module")
 def deployments(tmp_path_factory):
@@ -309,9 +304,7 @@ def test_kill_9_then_restart_leaves_no_used_blocks_or_running_requests(chaos, re
     )
 
 
-def test_kill_9_then_restart_leaves_no_shm_segment_of_a_dead_process(chaos, request):
-    if chaos.group and chaos.transport == "shm":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=GROUP_KILL_LEAKS_SHM))
+def test_kill_9_then_restart_leaves_no_shm_segment_of_a_dead_process(chaos):
     orphans = {s for s in chaos.segments_after if int(SEGMENT.match(s).group(1)) in chaos.dead_pids}
     assert not orphans, f"{chaos.summary()}; orphaned: {sorted(orphans)}"
     assert len(chaos.segments_after) <= len(chaos.segments_before), chaos.summary()
