@@ -171,6 +171,9 @@ class Engine:
             if r.status is RequestStatus.FINISHED_LENGTH:
                 outputs.append(RequestOutput(r.request_id, [], "length", num_prompt_tokens=r.num_prompt_tokens,
                                              position=r.num_output_tokens))
+        for r in out.failed:
+            outputs.append(RequestOutput(r.request_id, [], "error", num_prompt_tokens=r.num_prompt_tokens,
+                                         error=r.error, position=r.num_output_tokens))
         if out.kv.offloads:
             self.connector.worker.offload(out.kv.offloads, self.runner)
         if out.kv.loads:

@@ -47,6 +47,7 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)  # could not be admitted (finished, error)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     kv: KVConnectorMetadata = field(default_factory=KVConnectorMetadata)
@@ -229,19 +230,28 @@ class Scheduler:
         evictable_hits = sum(1 for b in hits if self.pool.ref_count[b] == 0)
         if new > self.pool.num_available - evictable_hits:
             return 0
-        if hits:
-            self.pool.touch(hits)
-            req.block_ids = list(hits)
-            req.num_computed_tokens = computed
-            req.num_committed_blocks = len(hits)
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = computed
-        if new > 0:
-            req.block_ids.extend(self.pool.allocate(new))
-        if external:
-            req.num_computed_tokens = external
-            n_load = -(-external // self.pool.block_size)
-            self.connector.on_allocated(req, req.block_ids[:n_load], external, step.out.kv)
+        try:
+            if hits:
+                self.pool.touch(hits)
+                req.block_ids = list(hits)
+                req.num_computed_tokens = computed
+                req.num_committed_blocks = len(hits)
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = computed
+            if new > 0:
+                req.block_ids.extend(self.pool.allocate(new))
+            if external:
+                req.num_computed_tokens = external
+                n_load = -(-external // self.pool.block_size)
+                self.connector.on_allocated(req, req.block_ids[:n_load], external, step.out.kv)
+        except Exception as exc:  # roll the admission back; the request fails, nothing leaks
+            log.exception("request %s: admission failed", req.request_id)
+            self.pool.free(req.block_ids)
+            req.block_ids, req.num_computed_tokens, req.num_committed_blocks = [], 0, 0
+            req.error = f"admission failed: {exc}"
+            self._finish(req, RequestStatus.FINISHED_ERROR, step.out.kv)
+            step.out.failed.append(req)
+            return 0
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)

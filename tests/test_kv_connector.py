@@ -245,3 +245,21 @@ def test_a_transfer_longer_than_the_decode_context_is_refused_before_any_block(t
     with pytest.raises(RequestRejected, match="context"):
         decode.add_request("long", list(range(1, 32)), GREEDY, output_token_ids=[5])
     assert decode.cache_stats()["used_blocks"] == 0 and not decode.has_unfinished()
+
+
+def test_an_error_during_admission_rolls_its_blocks_back_and_fails_only_that_request(pair, colocated):
+    real = pair.in_conn.on_allocated
+
+    def flaky(req, block_ids, n, meta):
+        if req.request_id == "bad":
+            raise RuntimeError("connector bug")
+        return real(req, block_ids, n, meta)
+
+    pair.in_conn.on_allocated = flaky  # type: ignore[method-assign]
+    pair.submit("bad", PROMPTS[3])
+    pair.submit("good", PROMPTS[0])
+    pair.run()
+    assert pair.finish == {"bad": "error", "good": "length"}
+    assert pair.tokens["good"] == colocated[0]
+    pair.decode.pool.check_integrity()
+    assert pair.decode.cache_stats()["used_blocks"] == 0
