@@ -3,7 +3,9 @@
 A request's send time is taken when httpx writes its headers (httpcore's trace hook), so time
 spent waiting for a pooled connection counts as client-side lag, not as server latency.
 Tokens per chunk: the delta of `usage.completion_tokens` when the server streams cumulative usage
-(vLLM's `continuous_usage_stats`), else one per content chunk.
+(vLLM's `continuous_usage_stats`), else one per content chunk. Usage counts as cumulative only
+once it has come on a content chunk that did not finish the stream: llama.cpp's llama-server puts
+the *total* usage on its finishing chunk only, which must not be read as that chunk's tokens.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ class _StreamState:
     def __init__(self, rec: RequestRecord, api: Api, clock: Clock) -> None:
         self.rec, self.api, self.clock = rec, api, clock
         self.usage_tokens = 0  # last cumulative completion_tokens the server reported
+        self.cumulative = False  # the server streams usage on its content chunks
         self.counted = 0
         self.finished = False
         self.done = False
@@ -126,7 +129,10 @@ class _StreamState:
         choices = event.get("choices") or []
         text = "".join(_chunk_text(self.api, c) for c in choices)
         new_usage = usage.get("completion_tokens")
-        if choices and isinstance(new_usage, int) and new_usage > self.usage_tokens:
+        finishing = any(c.get("finish_reason") for c in choices)
+        if text and isinstance(new_usage, int) and not finishing:
+            self.cumulative = True
+        if self.cumulative and choices and isinstance(new_usage, int) and new_usage > self.usage_tokens:
             n_tok = new_usage - self.usage_tokens
         else:
             n_tok = 1 if text else 0
@@ -138,7 +144,7 @@ class _StreamState:
             self.usage_tokens = max(self.usage_tokens, new_usage)
         if "queue_time_ms" in usage:
             self.rec.server_queue_s = float(usage["queue_time_ms"]) / 1e3
-        if any(c.get("finish_reason") for c in choices):
+        if finishing:
             self.finished = True
 
 

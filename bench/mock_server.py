@@ -5,7 +5,9 @@ then one every `tbt_ms`, grouped `tokens_per_chunk` to an SSE chunk (a chunk is 
 last token is due). With `max_concurrency` > 0 at most that many requests are served at once;
 the rest wait, and the wait is reported as `usage.queue_time_ms`. A prompt containing
 `MOCK_HTTP_500` is answered with HTTP 500; one containing `MOCK_CUT_STREAM` has its connection
-dropped half way through the stream.
+dropped half way through the stream. `--final-usage` streams the way llama.cpp's llama-server
+does: no usage in any content chunk, the total usage in the chunk that carries the finish reason
+(together with the last tokens), no separate usage chunk.
 
     python -m pdserve.bench.mock_server --port 8123 --ttft-ms 50 --tbt-ms 10 --tokens-per-chunk 2
 """
@@ -47,6 +49,7 @@ class MockConfig:
     tokens_per_chunk: int = 1
     max_concurrency: int = 0  # 0: unlimited
     chunk_usage: bool = True  # cumulative usage in every chunk when the client asks for it
+    final_usage: bool = False  # llama-server: total usage only in the finishing chunk
     ready_delay_ms: float = 0.0
     api_key: str | None = None  # when set, completions need 'Authorization: Bearer <key>'
 
@@ -89,7 +92,7 @@ def build_app(cfg: MockConfig) -> Starlette:
         opts = body.get("stream_options") or {}
         stream = _stream(chat, n, len(prompt.split()), cut="MOCK_CUT_STREAM" in prompt,
                          include_usage=bool(opts.get("include_usage")),
-                         chunk_usage=cfg.chunk_usage and bool(opts.get("continuous_usage_stats")))
+                         chunk_usage=cfg.chunk_usage and not cfg.final_usage and bool(opts.get("continuous_usage_stats")))
         return StreamingResponse(stream, media_type="text/event-stream")
 
     async def _stream(chat: bool, n: int, prompt_tokens: int, cut: bool, include_usage: bool, chunk_usage: bool):
@@ -130,6 +133,12 @@ def build_app(cfg: MockConfig) -> Starlette:
                     continue
                 # The last token, the finish, the usage and [DONE] leave in one write, so the
                 # stream ends when its last token is due.
+                if cfg.final_usage:
+                    last = json.loads(event("tok " * (hi - lo), "length")[6:])
+                    last["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                                     "total_tokens": prompt_tokens + n}
+                    yield f"data: {json.dumps(last)}\n\n".encode() + b"data: [DONE]\n\n"
+                    return
                 tail = [event("tok " * (hi - lo), done_tokens=hi), event(None if chat else "", "length", n)]
                 if include_usage:
                     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
@@ -209,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="requests served at once (0: unlimited); the rest queue")
     p.add_argument("--no-chunk-usage", action="store_true",
                    help="never put cumulative usage in chunks (clients count one token per chunk)")
+    p.add_argument("--final-usage", action="store_true",
+                   help="stream like llama-server: total usage only in the chunk with the finish reason")
     p.add_argument("--ready-delay-ms", type=float, default=_env("ready_delay_ms", 0.0),
                    help="/ready answers 503 for this long after start")
     p.add_argument("--api-key", default=_env("api_key", ""), help="require this bearer token")
@@ -217,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--tokens-per-chunk must be >= 1")
     cfg = MockConfig(model=args.model, ttft_ms=args.ttft_ms, tbt_ms=args.tbt_ms,
                      tokens_per_chunk=args.tokens_per_chunk, max_concurrency=args.max_concurrency,
-                     chunk_usage=not args.no_chunk_usage, ready_delay_ms=args.ready_delay_ms,
+                     chunk_usage=not args.no_chunk_usage, final_usage=args.final_usage,
+                     ready_delay_ms=args.ready_delay_ms,
                      api_key=args.api_key or None)
     import uvicorn
 

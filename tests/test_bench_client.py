@@ -149,3 +149,20 @@ def test_api_key_is_sent_as_a_bearer_token():
         bad = run_load_sync(specs(1), Endpoint(url, "mock-model"), closed(0)).measured[0]
     assert good.success
     assert not bad.success and "401" in bad.error
+
+
+@pytest.fixture(scope="module")
+def llama_style():
+    with launch("--ttft-ms", "50", "--tbt-ms", str(TBT_MS), "--final-usage") as url:
+        yield url
+
+
+@pytest.mark.parametrize("api", [Api.CHAT, Api.COMPLETIONS])
+def test_total_usage_on_the_final_chunk_is_not_read_as_that_chunks_tokens(llama_style, api):
+    """llama-server's way: usage only on the finishing chunk, and it is the request's total."""
+    measured = run_load_sync(specs(3), Endpoint(llama_style, "mock-model", api), closed()).measured
+    for r in measured:
+        assert r.success and r.output_tokens == N_OUT
+        assert r.chunk_tokens == [1] * N_OUT  # one token per content chunk, the last one too
+        gaps = tbt_gaps(r.chunk_times, r.chunk_tokens)
+        assert statistics.median(gaps) == pytest.approx(TBT_MS / 1e3, abs=TOL_S)
