@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -38,6 +39,8 @@ class Cluster:
     engine_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     procs: list[Proc] = field(default_factory=list)
+    # The deployment secret every process gets through the environment ('' runs --insecure).
+    secret: str = field(default_factory=lambda: secrets.token_hex(32))
 
     def __post_init__(self) -> None:
         self.port = free_port()
@@ -47,6 +50,12 @@ class Cluster:
     def _spawn(self, name: str, args: list[str], **kw) -> Proc:
         log = self.tmp / f"{name}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("PDSERVE_SECRET_FILE", None)
+        if self.secret:
+            env["PDSERVE_SECRET"] = self.secret
+        else:
+            env.pop("PDSERVE_SECRET", None)
+            args = [*args, "--insecure"]
         cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", *args]
         popen = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         proc = Proc(name, popen, log, **kw)
@@ -54,8 +63,7 @@ class Cluster:
         return proc
 
     def start(self, timeout: float = 180.0) -> Cluster:
-        self._spawn("router", ["router", "--port", str(self.port), "--control-address", self.control,
-                               "--model", self.model, "--heartbeat-timeout", "3", *self.router_args])
+        self.start_router()
         common = ["--router-address", self.control, "--model", self.model, "--threads", "1",
                   "--heartbeat-interval", "0.5", *self.engine_args]
         roles = [("decode", i) for i in range(self.num_decode)]
@@ -77,6 +85,14 @@ class Cluster:
             self._spawn(f"{role}-{i}", args, health=f"http://127.0.0.1:{hp}", kv_port=kv)
         self.wait_ready(timeout)
         return self
+
+    def start_router(self) -> Proc:
+        """(Re)start the router on the cluster's HTTP port and control address."""
+        self.procs = [p for p in self.procs if p.name != "router"]
+        proc = self._spawn("router", ["router", "--port", str(self.port), "--control-address", self.control,
+                                      "--model", self.model, "--heartbeat-timeout", "3", *self.router_args])
+        self.procs.insert(0, self.procs.pop())
+        return proc
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.time() + timeout
