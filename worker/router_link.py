@@ -226,15 +226,16 @@ class WorkerLink:
                 pass
 
     def _check_router(self, now: float) -> None:
-        """Fence when the router answered none of our last ROUTER_LOST_HEARTBEATS heartbeats.
+        """Fence when the router said nothing for ROUTER_LOST_HEARTBEATS heartbeat intervals.
 
         Counted in heartbeats we sent, not in seconds: a worker too wedged to heartbeat does not
         blame its router for the silence.
         """
         if not (self._registered.is_set() and self._router_answers_heartbeats):
             return
-        if self._unanswered >= ROUTER_LOST_HEARTBEATS:
-            silent = now - self._last_heard
+        silent = now - self._last_heard
+        # At the heartbeat due N intervals after the last answer, N-1 heartbeats went unanswered.
+        if self._unanswered >= ROUTER_LOST_HEARTBEATS - 1 and silent >= 0.95 * ROUTER_LOST_HEARTBEATS * self.heartbeat_interval:
             log.error("worker %s: the router answered none of %d heartbeats (%.1f s); dropping its "
                       "work and registering again", self.worker_id, self._unanswered, silent)
             self._fence(f"lost the router (silent for {silent:.1f} s)", "", lost_work=True)
