@@ -18,6 +18,7 @@ from pdserve.config.names import KV_TRANSPORTS
 
 log = logging.getLogger(__name__)
 
+PLACEHOLDER = b"REPLACE-ME"  # k8s/base's stand-in, refused so that no deployment runs on it
 SECRET_ENV = "PDSERVE_SECRET"  # the secret itself (how `pdserve up` hands it to its children)
 NO_SECRET = ("no deployment secret: pass --secret-file PATH (or set PDSERVE_SECRET or PDSERVE_SECRET_FILE), "
              "or --insecure to run the internal planes unauthenticated (docs/security.md)")
@@ -96,6 +97,9 @@ def resolve_secret(secret_file: str | None, insecure: bool) -> bytes | None:
     elif os.environ.get(SECRET_ENV):
         secret = os.environ[SECRET_ENV].strip().encode()
     if secret is not None:
+        if secret.startswith(PLACEHOLDER):
+            raise ConfigError("the deployment secret is still the placeholder of k8s/base/internal-secret.yaml; "
+                              "replace it with a random one (see that file)")
         if len(secret) < 16:
             raise ConfigError("the deployment secret must be at least 16 bytes (e.g. `openssl rand -hex 32`)")
         return secret

@@ -155,6 +155,7 @@ def test_router_killed_mid_stream_workers_drop_its_work_and_the_restarted_router
         assert time.time() - killed < 3 * 0.5 + 1.5
         for name, info in infos.items():
             assert info["used_blocks"] == 0 and info["running"] == 0, (name, info)
+        assert "lost the router" in cluster.proc("decode-0").log.read_text()  # fenced, not finished
         pool.shutdown(wait=True)
         cluster.start_router()
         cluster.wait_ready(60)
