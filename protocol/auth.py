@@ -34,7 +34,7 @@ MAX_SESSIONS = 4096  # senders remembered for replay protection (LRU beyond)
 # Reasons a frame is refused (the `reason` label of the rejection counters).
 NO_MAC, MALFORMED, BAD_MAC, REPLAY, STALE = "no_mac", "malformed", "bad_mac", "replay", "stale"
 
-Buffer = bytes | bytearray | memoryview
+Buffer = bytes | memoryview
 
 
 class AuthError(ValueError):

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
 from pdserve.protocol.codec import decode, encode
 from pdserve.protocol.messages import GenerateRequest, HeartbeatAck, Register, RegisterAck
@@ -164,3 +165,60 @@ def test_router_killed_mid_stream_workers_drop_its_work_and_the_restarted_router
         assert r.status_code == 200 and r.json()["choices"][0]["text"]
     finally:
         cluster.stop()
+
+
+# --- the decode side: KV carries the epoch ----------------------------------------------------
+
+
+def _kv_meta(fp, request_id: str, epoch: str):
+    from pdserve.kvtransfer.tensors import describe
+    from pdserve.protocol.messages import KVTransfer
+
+    payload = torch.randn(fp.num_layers, 2, 2, fp.block_size, fp.num_kv_heads, fp.head_dim)
+    meta = KVTransfer(request_id=request_id, prefill_worker_id="p-test", prompt_token_ids=tuple(range(1, 21)),
+                      output_token_ids=(5,), sampling=SamplingParams(temperature=0.0, max_tokens=50),
+                      num_computed_tokens=20, fingerprint=fp, tensor=describe(payload, with_checksum=False),
+                      transport="tcp", epoch=epoch)
+    return meta, payload
+
+
+def _pump_until_ack(worker, sender, timeout: float = 5.0) -> list:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        worker.poll_io()
+        acks = sender.poll_acks(timeout=0.02)
+        if acks:
+            return acks
+    return []
+
+
+def test_decode_worker_nacks_kv_of_another_epoch_and_its_fence_drops_what_it_holds(tiny):
+    from pdserve.config.engine import EngineConfig
+    from pdserve.config.worker import WorkerOptions
+    from pdserve.decode_node.worker import DecodeWorker
+    from pdserve.kvtransfer.transport.tcp import TcpKVSender
+
+    worker = DecodeWorker.create(WorkerOptions(worker_id="decode-fence", kv_port=0),
+                                 EngineConfig(model="tiny", num_kv_blocks=64), loaded=tiny)
+    worker.epoch = "E1"  # as the link's first Fence would set it
+    try:
+        with TcpKVSender(lease_s=5.0) as sender:
+            meta, payload = _kv_meta(worker.fingerprint, "stale-1", epoch="E0")
+            sender.send(worker.receiver.address, meta, payload)
+            [ack] = _pump_until_ack(worker, sender)
+            assert not ack.ok and "epoch" in ack.reason
+            assert worker.engine.request_ids() == []
+
+            meta, payload = _kv_meta(worker.fingerprint, "current-1", epoch="E1")
+            sender.send(worker.receiver.address, meta, payload)
+            deadline = time.monotonic() + 5
+            while "current-1" not in worker.engine.request_ids() and time.monotonic() < deadline:
+                worker.poll_io()
+                time.sleep(0.01)
+            assert worker.engine.request_ids() == ["current-1"]
+            worker.fence(Fence("the router restarted (test)", "E2"))
+            [ack] = _pump_until_ack(worker, sender)
+            assert (ack.request_id, ack.ok) == ("current-1", False)
+            assert worker.engine.request_ids() == [] and worker.engine.cache_stats()["used_blocks"] == 0
+    finally:
+        worker.close_io()  # the worker was never started: no link, no health server to stop
