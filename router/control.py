@@ -141,7 +141,9 @@ class ControlServer:
         if self._thread is not None:
             # Aborts queued during shutdown still go out: the thread flushes before it closes.
             await asyncio.to_thread(self._thread.join, 5.0)
-        if self._ctx is not None:
+        if self._thread is not None and self._thread.is_alive():
+            log.error("control channel I/O thread did not stop; leaving its socket open")
+        elif self._ctx is not None:
             self._ctx.term()
         self._wake_r.close()
         self._wake_w.close()
