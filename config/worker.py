@@ -8,11 +8,20 @@ and `worker_argv` turns options back into flags for `pdserve up`'s children. Eac
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import logging
+import os
+from dataclasses import dataclass, field
 
 from pdserve.config.engine import ConfigError, add_engine_arguments
 from pdserve.config.env import env_default
 from pdserve.config.names import KV_TRANSPORTS
+
+log = logging.getLogger(__name__)
+
+PLACEHOLDER = b"REPLACE-ME"  # k8s/base's stand-in, refused so that no deployment runs on it
+SECRET_ENV = "PDSERVE_SECRET"  # the secret itself (how `pdserve up` hands it to its children)
+NO_SECRET = ("no deployment secret: pass --secret-file PATH (or set PDSERVE_SECRET or PDSERVE_SECRET_FILE), "
+             "or --insecure to run the internal planes unauthenticated (docs/security.md)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +38,9 @@ class WorkerOptions:
     heartbeat_interval: float = 1.0
     stuck_after: float = 60.0  # seconds without a loop tick before /health fails
     kv_lease: float = 5.0
+    # The deployment secret (None only with insecure=True); never printed, never on argv.
+    secret: bytes | None = field(default=None, repr=False)
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         bad = [k for k in self.kv_transports if k not in KV_TRANSPORTS]
@@ -58,7 +70,44 @@ def add_worker_arguments(p: argparse.ArgumentParser, kv_port: int, health_port: 
     g.add_argument("--drain-timeout", type=float, default=env_default("drain-timeout", 20.0),
                    help="seconds to finish in-flight requests after SIGTERM")
     g.add_argument("--heartbeat-interval", type=float, default=env_default("heartbeat-interval", 1.0))
+    add_secret_arguments(g)
     add_engine_arguments(p)
+
+
+def add_secret_arguments(g) -> None:
+    """--secret-file and --insecure (the router and every worker take both)."""
+    g.add_argument("--secret-file", default=env_default("secret-file", None),
+                   help="file holding the deployment secret that authenticates the control and KV planes "
+                        "(or env PDSERVE_SECRET_FILE, or the secret itself in PDSERVE_SECRET)")
+    g.add_argument("--insecure", action="store_true", default=env_default("insecure", False),
+                   help="run the internal planes without authentication (tests, a trusted laptop)")
+
+
+def resolve_secret(secret_file: str | None, insecure: bool) -> bytes | None:
+    """The deployment secret from --secret-file or $PDSERVE_SECRET; None only under --insecure."""
+    secret: bytes | None = None
+    if secret_file:
+        try:
+            with open(secret_file, "rb") as f:
+                secret = f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"--secret-file {secret_file}: {exc.strerror}") from None
+        if not secret:
+            raise ConfigError(f"--secret-file {secret_file} is empty")
+    elif os.environ.get(SECRET_ENV):
+        secret = os.environ[SECRET_ENV].strip().encode()
+    if secret is not None:
+        if secret.startswith(PLACEHOLDER):
+            raise ConfigError("the deployment secret is still the placeholder of k8s/base/internal-secret.yaml; "
+                              "replace it with a random one (see that file)")
+        if len(secret) < 16:
+            raise ConfigError("the deployment secret must be at least 16 bytes (e.g. `openssl rand -hex 32`)")
+        return secret
+    if not insecure:
+        raise ConfigError(NO_SECRET)
+    log.warning("--insecure: the control and KV planes are NOT authenticated; anyone who reaches "
+                "their ports can register workers and inject KV")
+    return None
 
 
 def parse_transports(text: str) -> tuple[str, ...]:
@@ -71,6 +120,7 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
         kv_port=args.kv_port, health_port=args.health_port, kv_transports=parse_transports(args.kv_transport),
         host_id=args.host_id, worker_id=args.worker_id, drain_timeout=args.drain_timeout,
         heartbeat_interval=args.heartbeat_interval,
+        secret=resolve_secret(args.secret_file, args.insecure), insecure=args.insecure,
     )
 
 
@@ -86,4 +136,6 @@ def worker_argv(options: WorkerOptions) -> list[str]:
         out += ["--host-id", options.host_id]
     if options.worker_id:
         out += ["--worker-id", options.worker_id]
+    if options.insecure:
+        out += ["--insecure"]  # the secret itself travels in the environment, never on argv
     return out

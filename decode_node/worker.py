@@ -88,6 +88,10 @@ class DecodeWorker(Worker):
         rid = rkv.meta.request_id
         if not rkv.ok:
             self._refuse(rkv, rkv.reason)
+        elif rkv.meta.epoch != self.epoch:  # taken under another router: fenced off
+            log.warning("request %s: KV of router epoch %r refused (ours %r)", rid, rkv.meta.epoch, self.epoch)
+            self.kv_refused += 1
+            self.receiver.ack(rid, False, f"router epoch {rkv.meta.epoch!r} is not this worker's")
         elif rid in self.aborted:
             self.receiver.ack(rid, False, "aborted")
         else:

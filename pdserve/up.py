@@ -28,7 +28,8 @@ from pdserve.config.engine import (
 from pdserve.config.env import env_default
 from pdserve.config.names import COLOCATED_POLICIES, KV_TRANSPORTS
 from pdserve.config.ports import free_port
-from pdserve.config.worker import WorkerOptions, worker_argv
+from pdserve.config.worker import SECRET_ENV, WorkerOptions, worker_argv
+from pdserve.protocol.auth import new_secret
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +111,13 @@ def run(args) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    # A fresh secret authenticates the children to each other; it goes through the environment,
+    # not argv, so `ps` does not show it.
+    env = dict(os.environ, **{SECRET_ENV: new_secret()})
+    env.pop("PDSERVE_SECRET_FILE", None)
     for name, cmd, core in children:
         pre = (lambda c=core: os.sched_setaffinity(0, {c})) if core is not None else None
-        procs.append((name, subprocess.Popen(cmd, preexec_fn=pre, start_new_session=True)))
+        procs.append((name, subprocess.Popen(cmd, preexec_fn=pre, start_new_session=True, env=env)))
         log.info("started %s (pid %d%s)", name, procs[-1][1].pid, f", core {core}" if core is not None else "")
     url = f"http://{args.host}:{args.port}"
     ready = False

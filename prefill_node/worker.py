@@ -20,9 +20,11 @@ from pdserve.engine.engine import Engine, context_length
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.kvtransfer.connector import HandoffTarget, PrefillConnector, first_token_only
 from pdserve.kvtransfer.transport import available_kinds
+from pdserve.kvtransfer.transport.base import kv_channel
 from pdserve.model.weights import LoadedModel, load_model
 from pdserve.protocol.messages import ModelFingerprint, PrefillRequest
 from pdserve.worker.loop import Worker, default_worker_id, error_event, model_fingerprint
+from pdserve.worker.router_link import Fence
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,13 @@ class PrefillWorker(Worker):
     def abort(self, request_ids) -> None:
         self.engine.abort(request_ids)
         for rid in request_ids:
+            self.handoff.forget(rid)
+
+    def fence(self, fence: Fence) -> None:
+        """Drop the old router's requests; KV sent from now on carries the new epoch."""
+        super().fence(fence)
+        kv_channel.epoch = fence.epoch
+        for rid in list(self.handoff.targets):
             self.handoff.forget(rid)
 
     def kv_counters(self) -> tuple[int, int, float]:

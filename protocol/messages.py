@@ -4,9 +4,14 @@ Every message is a `msgspec.Struct` in one tagged union, encoded as msgpack in t
 frame; tensors (KV payloads) follow as raw frames described by a `TensorHeader`. Decoding is
 strict: an unknown tag, a missing or mistyped field, or another protocol version is refused.
 
+Every frame travels behind an authentication frame (pdserve.protocol.auth) unless a deployment
+runs `--insecure`. The router's `epoch` (random per router start) fences work: a worker drops
+every request of an epoch other than its router's (docs/security.md).
+
 Channels:
   worker DEALER --> router ROUTER (control):  Register, Heartbeat, TokenEvents, Goodbye
-  router --> worker (same socket):            PrefillRequest, GenerateRequest, Abort, RegisterAck
+  router --> worker (same socket):            PrefillRequest, GenerateRequest, Abort, RegisterAck,
+                                              HeartbeatAck
   prefill --> decode (KV channel):            KVTransfer (+ tensor frames)
   decode --> prefill (KV channel):            KVAck
 """
@@ -19,7 +24,7 @@ import msgspec
 
 from pdserve.protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 2  # 2: Register lost health_address, TokenEvents kv_sent_at
+PROTOCOL_VERSION = 3  # 3: router epochs (RegisterAck, work, KVTransfer), HeartbeatAck; 2: Register lost health_address
 
 Role = Literal["prefill", "decode", "colocated"]
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -116,6 +121,14 @@ class RegisterAck(_Msg, tag="register_ack", frozen=True):
     worker_id: str
     accepted: bool
     reason: str = ""
+    epoch: str = ""  # the router's, random per start: a new one fences the worker's old work
+
+
+class HeartbeatAck(_Msg, tag="heartbeat_ack", frozen=True):
+    """The router's answer to a Heartbeat: how a worker learns its router is still there."""
+
+    worker_id: str
+    epoch: str
 
 
 class PrefillRequest(_Msg, tag="prefill", frozen=True):
@@ -126,6 +139,7 @@ class PrefillRequest(_Msg, tag="prefill", frozen=True):
     decode_kv_address: str
     kv_transport: str = "tcp"
     arrival_time: float = 0.0
+    epoch: str = ""  # the router's epoch (ControlServer stamps it)
 
 
 class GenerateRequest(_Msg, tag="generate", frozen=True):
@@ -135,6 +149,7 @@ class GenerateRequest(_Msg, tag="generate", frozen=True):
     token_ids: tuple[int, ...]
     sampling: SamplingParams
     arrival_time: float = 0.0
+    epoch: str = ""
 
 
 class Abort(_Msg, tag="abort", frozen=True):
@@ -165,6 +180,8 @@ class KVTransfer(_Msg, tag="kv", frozen=True):
     # time.time() on the sender's host after which it may reuse a shm / CUDA IPC region (0: the
     # payload travelled inline). Meaningful only on the same host, which is where those run.
     lease_deadline: float = 0.0
+    # The router epoch the prefill worker took the request under: a decode worker NACKs another.
+    epoch: str = ""
 
 
 class KVAck(_Msg, tag="kv_ack", frozen=True):
@@ -179,6 +196,7 @@ Message = (
     | TokenEvents
     | Goodbye
     | RegisterAck
+    | HeartbeatAck
     | PrefillRequest
     | GenerateRequest
     | Abort

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from typing import Any
 
+from pdserve.config.engine import ConfigError
 from pdserve.config.env import env_default
+from pdserve.config.worker import add_secret_arguments
 from pdserve.router.registry import KV_TRANSPORT_CHOICES
 
 log = logging.getLogger(__name__)
@@ -87,6 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=env_default("drain-timeout", 30.0),
         help="on SIGTERM, how long in-flight requests may still run",
     )
+    add_secret_arguments(g)  # --secret-file / --insecure: the control plane's authentication
     # SUPPRESS: under `pdserve router` the top-level --log-level keeps its value.
     g.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR")
 
@@ -120,6 +124,14 @@ def config_from_args(args: argparse.Namespace, model_name: str):
     )
 
 
+def control_auth(args: argparse.Namespace):
+    """The control channel's authenticator from --secret-file / $PDSERVE_SECRET (or --insecure)."""
+    from pdserve.config.worker import resolve_secret
+    from pdserve.protocol.auth import FrameAuth
+
+    return FrameAuth.from_secret(resolve_secret(args.secret_file, args.insecure))
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the tokenizer, build the app, serve until SIGTERM/SIGINT (then drain)."""
     import uvicorn
@@ -133,6 +145,11 @@ def run(args: argparse.Namespace) -> int:
     )
     logging.getLogger().setLevel(level.upper())
     try:
+        auth = control_auth(args)
+    except ConfigError as exc:
+        print(f"pdserve: {exc}", file=sys.stderr)
+        return 2
+    try:
         source = load_tokenizer(args.model)
     except Exception as exc:  # ModelLoadError says what to do; anything else is still fatal
         log.error("cannot load the tokenizer for --model %r: %s", args.model, exc)
@@ -140,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args, source.name)
     app = create_app(config, source.tokenizer)
     service = app.state.service
+    service.control.configure(auth=auth, model_name=source.name)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:

@@ -1,9 +1,16 @@
-"""The router's end of the control channel: one zmq ROUTER socket served by asyncio tasks.
+"""The router's end of the control channel: one zmq ROUTER socket on its own I/O thread.
 
-Workers connect a DEALER whose identity is their worker_id. Every frame is one msgpack
-message (pdserve.protocol.messages); anything else is dropped, counted, and logged, never executed.
-Three tasks share the router's event loop, none of them ever blocks it: `_recv_loop` (frames
-in), `_send_loop` (frames out, fed by the non-blocking `send`), `_reap_loop` (heartbeat timeout).
+Workers connect a DEALER whose identity is their worker_id. Every frame is authenticated
+(pdserve.protocol.auth; HMAC-SHA256 with replay protection) and then one msgpack message
+(pdserve.protocol.messages); anything else is refused, counted, and logged rate-limited, never
+executed. The I/O thread owns the socket: it stamps each frame's arrival time as soon as it is
+read, verifies and decodes it, and hands the message to the event loop; the loop's `send` only
+queues (bounded). Liveness is judged from arrival times, so a blocked event loop does not by
+itself expire workers whose heartbeats arrived. `_reap_loop` (on the event loop) expires the
+silent ones.
+
+Fencing: `epoch` is random per router start. RegisterAck, HeartbeatAck and every piece of work
+carry it; a worker that sees a new epoch drops everything an older router gave it.
 """
 
 from __future__ import annotations
@@ -11,19 +18,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import queue
+import secrets
+import socket
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 
+import msgspec
 import zmq
-import zmq.asyncio
+from prometheus_client import Counter
 
+from pdserve.config.log_limits import RateLimitedLog
+from pdserve.protocol.auth import CONTROL_TO_ROUTER, CONTROL_TO_WORKER, AuthError, FrameAuth
 from pdserve.protocol.codec import ProtocolError, decode, encode
 from pdserve.protocol.messages import (
     Abort,
+    GenerateRequest,
     Goodbye,
     Heartbeat,
+    HeartbeatAck,
     Message,
+    PrefillRequest,
     Register,
     RegisterAck,
     TokenEvents,
@@ -36,6 +53,11 @@ log = logging.getLogger(__name__)
 
 UNKNOWN_WORKER = "unknown worker"
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a control frame is small; a bigger one is an attack or a bug
+MAX_OUTBOX = 65536  # frames queued for workers before `send` drops (and counts) them
+MAX_INBOX = 65536  # messages read but not yet handled by the event loop
+_BATCH = 256  # frames read per wake-up before the outbox gets a turn
+
+_log_bad = RateLimitedLog(log, logging.WARNING, per_seconds=10.0)
 
 
 class ControlServer:
@@ -48,21 +70,50 @@ class ControlServer:
         tracker: RequestTracker,
         metrics: RouterMetrics,
         heartbeat_timeout: float = 3.0,
+        *,
+        auth: FrameAuth | None = None,
+        model_name: str | None = None,
     ) -> None:
         self.address = address
         self.registry = registry
         self.tracker = tracker
         self.metrics = metrics
         self.heartbeat_timeout = heartbeat_timeout
+        self.auth = auth or FrameAuth(None)
+        self.model_name = model_name
+        self.epoch = secrets.token_hex(8)
+        self.rejected = Counter(
+            "pdserve_control_rejected",
+            "Control frames refused before decoding: no or bad MAC, replay, stale timestamp",
+            ["reason"],
+            registry=metrics.registry,
+        )
+        self.outbox_dropped = 0
+        self.inbox_dropped = 0
         self.bound_address = ""
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
-        self._out: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
-        self._tasks: list[asyncio.Task] = []
         self.alive = False
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._out: queue.Queue[tuple[bytes, bytes]] = queue.Queue(MAX_OUTBOX)
+        self._arrived: dict[str, float] = {}  # worker_id -> monotonic arrival of its last frame
+        self._inbox_len = 0  # messages handed to the event loop and not yet handled
+        self._inbox_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    def configure(self, *, auth: FrameAuth, model_name: str | None) -> None:
+        """The deployment secret's authenticator and the router's model (before `start`)."""
+        assert not self.alive, "configure() before start()"
+        self.auth, self.model_name = auth, model_name
 
     async def start(self) -> None:
-        self._ctx = zmq.asyncio.Context()
+        self._loop = asyncio.get_running_loop()
+        self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -70,12 +121,13 @@ class ControlServer:
         self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
         self.alive = True
-        self._tasks = [
-            asyncio.create_task(self._recv_loop(), name="control-recv"),
-            asyncio.create_task(self._send_loop(), name="control-send"),
-            asyncio.create_task(self._reap_loop(), name="control-reap"),
-        ]
-        log.info("control channel listening on %s", self.bound_address)
+        # The socket moves to the I/O thread (thread start is the memory barrier zmq asks for).
+        self._thread = threading.Thread(target=self._io, name="control-io", daemon=True)
+        self._thread.start()
+        self._tasks = [asyncio.create_task(self._reap_loop(), name="control-reap")]
+        if not self.auth.secure:
+            log.warning("control channel on %s is NOT authenticated (--insecure)", self.bound_address)
+        log.info("control channel listening on %s (epoch %s)", self.bound_address, self.epoch)
 
     async def stop(self) -> None:
         self.alive = False
@@ -84,93 +136,162 @@ class ControlServer:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        if self._sock is not None:
-            # Aborts queued during shutdown still go out (ROUTER never blocks on send).
-            sync: zmq.Socket = zmq.Socket.shadow(self._sock.underlying)
-            while not self._out.empty():
-                ident, frame = self._out.get_nowait()
-                with contextlib.suppress(zmq.ZMQError):
-                    sync.send_multipart([ident, frame], flags=zmq.NOBLOCK)
-            self._sock.close(linger=200)
-        if self._ctx is not None:
+        self._stop.set()
+        self._wake()
+        if self._thread is not None:
+            # Aborts queued during shutdown still go out: the thread flushes before it closes.
+            await asyncio.to_thread(self._thread.join, 5.0)
+        if self._thread is not None and self._thread.is_alive():
+            log.error("control channel I/O thread did not stop; leaving its socket open")
+        elif self._ctx is not None:
             self._ctx.term()
+        self._wake_r.close()
+        self._wake_w.close()
 
-    # --- outgoing ------------------------------------------------------------------------
+    # --- outgoing (event loop) ------------------------------------------------------------
 
     def send(self, worker_id: str, msg: Message) -> None:
-        """Queue one message for a worker; never blocks (a gone worker's messages are dropped)."""
-        self._out.put_nowait((worker_id.encode(), encode(msg)))
+        """Queue one message for a worker; never blocks (a full queue drops it, counted)."""
+        if isinstance(msg, PrefillRequest | GenerateRequest) and msg.epoch != self.epoch:
+            msg = msgspec.structs.replace(msg, epoch=self.epoch)
+        try:
+            self._out.put_nowait((worker_id.encode(), encode(msg)))
+        except queue.Full:
+            self.outbox_dropped += 1
+            _log_bad("control outbox full (%d frames): %s to %s dropped", MAX_OUTBOX,
+                     type(msg).__name__, worker_id, key="outbox-full")
+            return
+        self._wake()
 
     def abort(self, worker_ids: Sequence[str], request_ids: Sequence[str]) -> None:
         for wid in dict.fromkeys(worker_ids):
             log.info("abort %s -> worker %s", ",".join(request_ids), wid)
             self.send(wid, Abort(request_ids=tuple(request_ids)))
 
-    async def _send_loop(self) -> None:
-        assert self._sock is not None
-        while True:
-            ident, frame = await self._out.get()
-            try:
-                await self._sock.send_multipart([ident, frame])
-            except zmq.ZMQError as exc:  # ROUTER without MANDATORY only fails on shutdown
-                log.warning("control send to %r failed: %s", ident, exc)
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
 
-    # --- incoming ------------------------------------------------------------------------
+    # --- the I/O thread -------------------------------------------------------------------
 
-    async def _recv_loop(self) -> None:
-        assert self._sock is not None
-        while True:
+    def _io(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(100))
+                if self._wake_r.fileno() in ready:
+                    with contextlib.suppress(BlockingIOError, OSError):
+                        while self._wake_r.recv(4096):
+                            pass
+                if sock in ready:
+                    self._read(sock)
+                self._flush(sock)
+            self._flush(sock)
+        except Exception:
+            self.alive = False
+            log.exception("control channel I/O thread failed")
+        finally:
+            sock.close(linger=200)
+
+    def _read(self, sock: zmq.Socket) -> None:
+        for _ in range(_BATCH):
             try:
-                frames = await self._sock.recv_multipart(copy=True)
-            except zmq.ZMQError as exc:
-                log.warning("control receive failed: %s", exc)
-                await asyncio.sleep(0.01)
-                continue
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            arrival = time.monotonic()  # before any verification or handling
             try:
-                self._handle(frames)
-            except Exception:  # a handler bug must not kill the channel
+                self._receive(frames, arrival)
+            except Exception:  # a bug must not kill the channel
                 self.metrics.bad_messages.inc()
-                log.exception("control message handling failed")
+                log.exception("control frame handling failed")
+
+    def _flush(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                ident, frame = self._out.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                sock.send_multipart([ident, *self.auth.seal(CONTROL_TO_WORKER, [frame])], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # ROUTER without MANDATORY only fails on shutdown / HWM
+                _log_bad("control send to %r failed: %s", ident[:64], exc, key="send-failed")
+
+    def _receive(self, frames: list[bytes], arrival: float) -> None:
+        """Verify and decode one frame on the I/O thread; hand a valid message to the loop."""
+        ident = frames[0]
+        try:
+            body = self.auth.open(CONTROL_TO_ROUTER, frames[1:])
+        except AuthError as exc:
+            self.rejected.labels(exc.reason).inc()
+            _log_bad("control frame from %r refused: %s", ident[:64], exc, key=f"auth-{exc.reason}")
+            return
+        if len(body) != 1:
+            return self._bad(ident, f"expected 1 message frame, got {len(body)}")
+        try:
+            msg = decode(body[0])
+        except ProtocolError as exc:
+            return self._bad(ident, str(exc))
+        if not isinstance(msg, Register | Heartbeat | TokenEvents | Goodbye):
+            return self._bad(ident, f"{type(msg).__name__} is not a worker-to-router message")
+        if msg.worker_id.encode() != ident:
+            return self._bad(ident, f"worker_id {msg.worker_id!r} does not match the connection identity")
+        self._arrived[msg.worker_id] = arrival
+        with self._inbox_lock:
+            if self._inbox_len >= MAX_INBOX:
+                self.inbox_dropped += 1
+                _log_bad("control inbox full: %s from %s dropped", type(msg).__name__, msg.worker_id,
+                         key="inbox-full")
+                return
+            self._inbox_len += 1
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed under us: shutting down
+            loop.call_soon_threadsafe(self._dispatch, msg, arrival)
 
     def _bad(self, ident: bytes, why: str) -> None:
         self.metrics.bad_messages.inc()
-        log.warning("control frame from %r dropped: %s", ident[:64], why)
+        _log_bad("control frame from %r dropped: %s", ident[:64], why, key="bad-frame")
 
-    def _handle(self, frames: list[bytes]) -> None:
-        ident = frames[0]
-        if len(frames) != 2:
-            return self._bad(ident, f"expected 1 message frame, got {len(frames) - 1}")
+    # --- handling (event loop) ------------------------------------------------------------
+
+    def _dispatch(self, msg: Register | Heartbeat | TokenEvents | Goodbye, arrival: float) -> None:
+        with self._inbox_lock:
+            self._inbox_len -= 1
         try:
-            msg = decode(frames[1])
-        except ProtocolError as exc:
-            return self._bad(ident, str(exc))
-        worker_id = getattr(msg, "worker_id", None)
-        if not isinstance(msg, Register | Heartbeat | TokenEvents | Goodbye):
-            return self._bad(ident, f"{type(msg).__name__} is not a worker-to-router message")
-        if worker_id is None or worker_id.encode() != ident:
-            return self._bad(
-                ident, f"worker_id {worker_id!r} does not match the connection identity"
-            )
-        now = time.monotonic()
-        if isinstance(msg, Register):
-            self._on_register(msg, now)
-        elif isinstance(msg, Heartbeat):
-            self._on_heartbeat(msg, now)
-        elif isinstance(msg, TokenEvents):
-            self._on_tokens(msg, now)
-        else:
-            w = self.registry.remove(msg.worker_id)
-            if w is not None:
-                log.info("worker %s (%s) said goodbye", w.worker_id, w.role)
-                self._lost(w, f"worker {w.worker_id} left")
+            if isinstance(msg, Register):
+                self._on_register(msg, arrival)
+            elif isinstance(msg, Heartbeat):
+                self._on_heartbeat(msg, arrival)
+            elif isinstance(msg, TokenEvents):
+                self._on_tokens(msg, arrival)
+            else:
+                w = self.registry.remove(msg.worker_id)
+                if w is not None:
+                    log.info("worker %s (%s) said goodbye", w.worker_id, w.role)
+                    self._lost(w, f"worker {w.worker_id} left")
+        except Exception:  # a handler bug must not kill the channel
+            self.metrics.bad_messages.inc()
+            log.exception("control message handling failed")
+
+    def _refuse(self, worker_id: str, reason: str) -> None:
+        self.send(worker_id, RegisterAck(worker_id=worker_id, accepted=False, reason=reason, epoch=self.epoch))
 
     def _on_register(self, msg: Register, now: float) -> None:
-        reason, old = self.registry.register(msg, now)
+        reason: str | None = None
+        if self.model_name is not None and msg.fingerprint.model != self.model_name:
+            reason = f"model mismatch: the worker runs {msg.fingerprint.model!r}, the router serves {self.model_name!r}"
+        old = None
+        if reason is None:
+            reason, old = self.registry.register(msg, now)
         if reason is not None:
-            log.warning("worker %s refused: %s", msg.worker_id, reason)
-            self.send(
-                msg.worker_id, RegisterAck(worker_id=msg.worker_id, accepted=False, reason=reason)
-            )
+            _log_bad("worker %s refused: %s", msg.worker_id, reason, key=f"refused-{msg.worker_id}")
+            self._refuse(msg.worker_id, reason)
             return
         if old is not None:
             self._lost(old, f"worker {msg.worker_id} registered again (restarted)", forget=False)
@@ -184,7 +305,7 @@ class ControlServer:
             ",".join(msg.kv_transports),
         )
         self._count_workers()
-        self.send(msg.worker_id, RegisterAck(worker_id=msg.worker_id, accepted=True))
+        self.send(msg.worker_id, RegisterAck(worker_id=msg.worker_id, accepted=True, epoch=self.epoch))
 
     def _on_heartbeat(self, msg: Heartbeat, now: float) -> None:
         prev = self.registry.workers.get(msg.worker_id)
@@ -192,11 +313,9 @@ class ControlServer:
         w = self.registry.heartbeat(msg, now)
         if w is None:
             # The router restarted or timed the worker out: ask it to register again.
-            self.send(
-                msg.worker_id,
-                RegisterAck(worker_id=msg.worker_id, accepted=False, reason=UNKNOWN_WORKER),
-            )
+            self._refuse(msg.worker_id, UNKNOWN_WORKER)
             return
+        self.send(msg.worker_id, HeartbeatAck(worker_id=msg.worker_id, epoch=self.epoch))
         m, labels = self.metrics, (w.worker_id, w.role)
         m.kv_blocks_free.labels(*labels).set(msg.free_blocks)
         m.kv_blocks_used.labels(*labels).set(msg.total_blocks - msg.free_blocks)
@@ -206,10 +325,7 @@ class ControlServer:
 
     def _on_tokens(self, msg: TokenEvents, now: float) -> None:
         if not self.registry.touch(msg.worker_id, now):
-            self.send(
-                msg.worker_id,
-                RegisterAck(worker_id=msg.worker_id, accepted=False, reason=UNKNOWN_WORKER),
-            )
+            self._refuse(msg.worker_id, UNKNOWN_WORKER)
         for ev in msg.events:
             if not self.tracker.deliver(msg.worker_id, ev):
                 log.debug(
@@ -222,7 +338,9 @@ class ControlServer:
         period = max(0.02, min(0.25, self.heartbeat_timeout / 4))
         while True:
             await asyncio.sleep(period)
-            for w in self.registry.expire(time.monotonic(), self.heartbeat_timeout):
+            dead = self.registry.expire(time.monotonic(), self.heartbeat_timeout, self._arrived)
+            for w in dead:
+                self._arrived.pop(w.worker_id, None)
                 self.metrics.worker_failures.inc()
                 log.error(
                     "worker %s (%s) missed heartbeats for %.1f s: out of rotation",

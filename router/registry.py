@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -162,9 +163,20 @@ class Registry:
     def remove(self, worker_id: str) -> WorkerState | None:
         return self.workers.pop(worker_id, None)
 
-    def expire(self, now: float, timeout: float) -> list[WorkerState]:
-        """Remove and return the workers silent for longer than `timeout` seconds."""
-        dead = [w for w in self.workers.values() if now - w.last_seen > timeout]
+    def expire(
+        self, now: float, timeout: float, arrived: Mapping[str, float] | None = None
+    ) -> list[WorkerState]:
+        """Remove and return the workers silent for longer than `timeout` seconds.
+
+        `arrived`: when each worker's last frame reached the socket (maybe later than `last_seen`,
+        which is when the event loop handled it).
+        """
+        arrived = arrived or {}
+        dead = [
+            w
+            for w in self.workers.values()
+            if now - max(w.last_seen, arrived.get(w.worker_id, 0.0)) > timeout
+        ]
         for w in dead:
             del self.workers[w.worker_id]
         return dead
@@ -205,16 +217,15 @@ class Registry:
         if not colocated:
             return None
 
-        def load(w: WorkerState) -> tuple[int, int, int, str]:
+        def load(w: WorkerState) -> tuple[int, int, int]:
             cached = w.cached_prefix_blocks(hashes.get(w.block_size)) * w.block_size
             return (
                 w.queued_tokens + len(token_ids) - cached,
                 w.running + w.waiting + w.pending_requests,
                 -w.free_now,
-                w.worker_id,
             )
 
-        best = min(colocated, key=load)
+        best = _least(colocated, load)
         cached = best.cached_prefix_blocks(hashes.get(best.block_size)) * best.block_size
         route = Route("colocated", best.worker_id, cached_prefix_tokens=cached)
         self._charge(request_id, route, hashes, max_tokens)
@@ -231,9 +242,16 @@ class Registry:
 
         # Tokens this prefill must compute before our request is done: its queue plus our
         # uncached suffix. A held prefix wins exactly when it saves more than the queue costs.
-        def prefill_cost(w: WorkerState) -> tuple[int, str]:
+        # Ties go to the less loaded worker (running + queued, then free blocks), then at random:
+        # never by worker id, which would pile every tie onto one worker.
+        def prefill_cost(w: WorkerState) -> tuple[int, int, int, float]:
             cached = w.cached_prefix_blocks(hashes.get(w.block_size)) * w.block_size
-            return (w.queued_tokens + n - cached, w.worker_id)
+            return (
+                w.queued_tokens + n - cached,
+                w.running + w.waiting + w.pending_requests,
+                -w.free_now,
+                random.random(),
+            )
 
         for p in sorted(prefills, key=prefill_cost):
             compatible = [d for d in decodes if _same_model(p.info.fingerprint, d.info.fingerprint)]
@@ -258,8 +276,11 @@ class Registry:
             return math.ceil(total_tokens / d.block_size)
 
         fitting = [d for d in decodes if d.free_now >= need(d)]
-        # None fits now: the most free one will queue it until blocks free up.
-        return max(fitting or decodes, key=lambda d: (d.free_now, d.worker_id))
+        # None fits now: the most free one will queue it until blocks free up. Ties: the fewest
+        # requests (running, waiting, just routed), then at random, never by worker id.
+        return _least(
+            fitting or decodes, lambda d: (-d.free_now, d.running + d.waiting + d.pending_requests)
+        )
 
     def _transport(self, p: WorkerState, d: WorkerState) -> str:
         if self.kv_transport == "tcp":
@@ -299,6 +320,12 @@ class _Hashes:
         if block_size not in self._by_size:
             self._by_size[block_size] = self.hasher(self.token_ids, block_size)
         return self._by_size[block_size]
+
+
+def _least(workers: Sequence[WorkerState], load: Callable[[WorkerState], tuple]) -> WorkerState:
+    """The least loaded worker; equally loaded ones are picked from at random."""
+    best = min(load(w) for w in workers)
+    return random.choice([w for w in workers if load(w) == best])
 
 
 def _same_model(a: ModelFingerprint, b: ModelFingerprint) -> bool:

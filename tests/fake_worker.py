@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
+from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.block_hash import hash_blocks
 from pdserve.protocol.messages import (
     Abort,
@@ -31,7 +32,7 @@ from pdserve.protocol.messages import (
 )
 from pdserve.router.app import create_app
 from pdserve.router.service import RouterConfig
-from pdserve.worker.router_link import WorkerLink
+from pdserve.worker.router_link import Fence, WorkerLink
 
 # --- a toy tokenizer -------------------------------------------------------------------------
 
@@ -152,6 +153,8 @@ class FakeWorker:
     free_blocks: int | None = None
     received: list = field(default_factory=list)
     aborted: set[str] = field(default_factory=set)
+    fences: list = field(default_factory=list)
+    auth: FrameAuth | None = None
 
     def __post_init__(self) -> None:
         self._cond = threading.Condition()
@@ -169,7 +172,7 @@ class FakeWorker:
             host_id=self.host_id,
         )
         self.link = WorkerLink(
-            self.router_address, register, self._heartbeat, self.heartbeat_interval
+            self.router_address, register, self._heartbeat, self.heartbeat_interval, auth=self.auth
         )
         self._thread = threading.Thread(
             target=self._loop, name=f"fake-{self.worker_id}", daemon=True
@@ -228,6 +231,12 @@ class FakeWorker:
             time.sleep(0.001)
 
     def _handle(self, msg) -> None:
+        if isinstance(msg, Fence):  # the router changed: what the old one gave us is dropped
+            with self._cond:
+                self.fences.append(msg)
+                self._active.clear()
+                self._cond.notify_all()
+            return
         with self._cond:
             self.received.append(msg)
             if isinstance(msg, Abort):
@@ -329,7 +338,8 @@ class FakeWorker:
 class RouterHarness:
     """The real router app on 127.0.0.1:<free port> with a control socket on a free port."""
 
-    def __init__(self, tokenizer=None, **config) -> None:
+    def __init__(self, tokenizer=None, auth: FrameAuth | None = None, model_name: str | None = None,
+                 **config) -> None:
         config.setdefault("control_address", "tcp://127.0.0.1:*")
         config.setdefault("served_model_name", "fake-model")
         config.setdefault("heartbeat_timeout", 1.0)
@@ -340,6 +350,9 @@ class RouterHarness:
         kwargs = {"detokenizer_factory": detok} if detok else {}
         self.app = create_app(RouterConfig(**config), self.tokenizer, hasher=hash_blocks, **kwargs)
         self.service = self.app.state.service
+        self.auth = auth
+        if auth is not None or model_name is not None:
+            self.service.control.configure(auth=auth or FrameAuth(None), model_name=model_name)
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
@@ -371,6 +384,7 @@ class RouterHarness:
 
     def worker(self, worker_id: str, role: str = "colocated", **kw) -> FakeWorker:
         kw.setdefault("bus", self.bus)
+        kw.setdefault("auth", self.auth)
         w = FakeWorker(self.control_address, worker_id, role, **kw).start()
         self.workers.append(w)
         self.wait_until(lambda: worker_id in self.service.registry.workers)

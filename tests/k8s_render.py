@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import re
+import secrets
 import shutil
 import subprocess
 from collections.abc import Callable, Iterable
@@ -32,6 +33,7 @@ LOCAL_NODE_NAME = "local-node"
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 _HOST_PORT = re.compile(r"(?P<host>[A-Za-z0-9_.\-]+):(?P<port>\d+)")
 _WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+_LOCAL_SECRET = secrets.token_hex(32)
 
 
 def kubectl() -> str:
@@ -106,7 +108,9 @@ class _Replica:
 def _decode_secret(secret: dict[str, Any]) -> dict[str, str]:
     data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
     data.update(secret.get("stringData") or {})
-    return data
+    # The base's placeholder deployment secret is refused by every process: stand in for the
+    # operator who replaces it (k8s/base/internal-secret.yaml) with a random one per rendering.
+    return {k: _LOCAL_SECRET if v.startswith("REPLACE-ME") else v for k, v in data.items()}
 
 
 def _expand(value: str, env: dict[str, str]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -39,6 +40,8 @@ class Cluster:
     engine_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     procs: list[Proc] = field(default_factory=list)
+    # The deployment secret every process gets through the environment ('' runs --insecure).
+    secret: str = field(default_factory=lambda: secrets.token_hex(32))
 
     def __post_init__(self) -> None:
         self.port = free_port()
@@ -47,21 +50,26 @@ class Cluster:
 
     def _spawn(self, name: str, args: list[str], **kw) -> Proc:
         log = self.tmp / f"{name}.log"
+        if not self.secret:
+            args = [*args, "--insecure"]
         cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", *args]
         proc = Proc(name, self._popen(cmd, log, "w"), log, argv=cmd, **kw)
         self.procs.append(proc)
         return proc
 
-    @staticmethod
-    def _popen(cmd: list[str], log: Path, mode: str) -> subprocess.Popen:
+    def _popen(self, cmd: list[str], log: Path, mode: str) -> subprocess.Popen:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("PDSERVE_SECRET_FILE", None)
+        if self.secret:
+            env["PDSERVE_SECRET"] = self.secret
+        else:
+            env.pop("PDSERVE_SECRET", None)
         return subprocess.Popen(
             cmd, stdout=log.open(mode), stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
 
     def start(self, timeout: float = 180.0) -> Cluster:
-        self._spawn("router", ["router", "--port", str(self.port), "--control-address", self.control,
-                               "--model", self.model, "--heartbeat-timeout", "3", *self.router_args])
+        self.start_router()
         common = ["--router-address", self.control, "--model", self.model, "--threads", "1",
                   "--heartbeat-interval", "0.5", *self.engine_args]
         roles = [("decode", i) for i in range(self.num_decode)]
@@ -108,6 +116,13 @@ class Cluster:
         p.popen = self._popen(p.argv, p.log, "a")
         self.wait_ready(timeout)
         return started_at
+    def start_router(self) -> Proc:
+        """(Re)start the router on the cluster's HTTP port and control address."""
+        self.procs = [p for p in self.procs if p.name != "router"]
+        proc = self._spawn("router", ["router", "--port", str(self.port), "--control-address", self.control,
+                                      "--model", self.model, "--heartbeat-timeout", "3", *self.router_args])
+        self.procs.insert(0, self.procs.pop())
+        return proc
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.time() + timeout

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import msgspec
 import pytest
@@ -457,3 +458,55 @@ def test_a_restarted_shm_sender_unlinks_the_segments_its_killed_predecessor_left
     assert os.path.exists(f"/dev/shm/{mine.shm.name}")
     successor.close()
     other.close()
+
+
+# --- failures on the receiver, idle and capped sender sockets ------------------------------------
+
+
+def test_an_unexpected_receive_error_is_nacked_at_once_and_its_sender_forgotten(pair):
+    kind, sender, receiver = pair
+
+    def broken_open(meta, frames):
+        raise KeyError("injected bug in the receive path")
+
+    receiver._open = broken_open
+    payload = make_payload(SMALL, 2)
+    sender.send(receiver.address, make_meta(payload, SMALL), payload)
+    acks = sender.poll_acks(timeout=2.0)  # well before the 5 s lease
+    assert [(a.request_id, a.ok) for a in acks] == [("req-1", False)]
+    assert "receive failed" in acks[0].reason
+    assert receiver.poll() == [] and receiver.stats()["receive_errors"] == 1
+    assert receiver._loop.call(lambda: len(receiver._peers)) == 0
+
+
+def test_an_idle_sender_socket_is_closed(monkeypatch):
+    from pdserve.kvtransfer.transport import tcp
+
+    monkeypatch.setattr(tcp, "IDLE_SOCKET_S", 0.2)
+    with make_receiver("tcp", ADDR, fingerprint=SMALL) as receiver, make_sender("tcp") as sender:
+        payload = make_payload(SMALL, 2)
+        sender.send(receiver.address, make_meta(payload, SMALL), payload)
+        receive_one(receiver)
+        receiver.ack("req-1", True)
+        assert [a.ok for a in sender.poll_acks(timeout=WAIT)] == [True]
+        deadline = time.monotonic() + 3
+        while sender.stats().get("sockets_idle_closed", 0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sender.stats()["sockets_idle_closed"] == 1
+        assert sender._loop.call(lambda: len(sender._sockets)) == 0
+
+
+def test_sender_sockets_are_capped_by_evicting_an_idle_one(monkeypatch):
+    from pdserve.kvtransfer.transport import tcp
+
+    monkeypatch.setattr(tcp, "MAX_PEER_SOCKETS", 1)
+    with make_receiver("tcp", ADDR, fingerprint=SMALL) as a, make_receiver("tcp", ADDR, fingerprint=SMALL) as b, \
+            make_sender("tcp") as sender:
+        for receiver, rid in ((a, "to-a"), (b, "to-b")):
+            payload = make_payload(SMALL, 2)
+            sender.send(receiver.address, make_meta(payload, SMALL, rid), payload)
+            receive_one(receiver)
+            receiver.ack(rid, True)
+            assert [x.ok for x in sender.poll_acks(timeout=WAIT)] == [True]
+        assert sender.stats()["sockets_evicted"] == 1
+        assert sender._loop.call(lambda: list(sender._sockets)) == [b.address]

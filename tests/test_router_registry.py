@@ -175,3 +175,38 @@ def test_bad_registration_is_refused():
         max_model_len=100,
     )
     assert r.register(bad, 0)[0] is not None and not r.workers
+
+
+def _busy(worker_id: str, *, running: int, free: int = 100) -> Heartbeat:
+    return Heartbeat(worker_id=worker_id, free_blocks=free, total_blocks=100, queued_prefill_tokens=0,
+                     running=running, waiting=0)
+
+
+def test_prefill_tie_on_queued_tokens_goes_to_the_one_running_fewer_requests():
+    # "a-busy" sorts first by id: a tie broken by id would pick it every time.
+    r = registry(reg("a-busy", "prefill"), reg("z-idle", "prefill"), reg("d0", "decode"))
+    r.heartbeat(_busy("a-busy", running=5), 0)
+    r.heartbeat(_busy("z-idle", running=0), 0)
+    assert {r.pick(f"r{i}", PROMPT, 8).first for i in range(5)} == {"z-idle"}
+
+
+def test_decode_tie_on_free_blocks_goes_to_the_one_running_fewer_requests():
+    r = registry(reg("p0", "prefill"), reg("d-busy", "decode"), reg("e-idle", "decode"))
+    r.heartbeat(_busy("d-busy", running=7), 0)
+    r.heartbeat(_busy("e-idle", running=0), 0)
+    assert r.pick("a", PROMPT, 8).decode == "e-idle"
+
+
+def test_colocated_tie_on_queue_goes_to_the_one_with_more_free_blocks():
+    r = registry(reg("a-full", "colocated"), reg("b-empty", "colocated"))
+    r.heartbeat(_busy("a-full", running=1, free=10), 0)
+    r.heartbeat(_busy("b-empty", running=1, free=90), 0)
+    assert r.pick("a", PROMPT, 8).first == "b-empty"
+
+
+def test_perfect_ties_are_spread_not_piled_on_the_first_id():
+    picks = set()
+    for i in range(40):
+        r = registry(reg("c0", "colocated"), reg("c1", "colocated"))
+        picks.add(r.pick(f"r{i}", PROMPT, 8).first)
+    assert picks == {"c0", "c1"}

@@ -18,6 +18,7 @@ import zmq
 from pdserve.engine.kv_cache import gather_blocks
 from pdserve.engine.llm import LLM
 from pdserve.kvtransfer.tensors import describe
+from pdserve.protocol.auth import KV_TO_DECODE, FrameAuth
 from pdserve.protocol.codec import decode, encode
 from pdserve.protocol.messages import KVAck, KVTransfer, ModelFingerprint
 from pdserve.protocol.sampling import SamplingParams
@@ -163,11 +164,11 @@ def test_hostile_frames_on_every_zmq_port_are_refused_and_service_continues(disa
             s.send_multipart([data, b"extra frame"])
             s.close()
     deadline = time.time() + 10
-    while time.time() < deadline:
-        dropped = disagg.info("decode-0")["receiver"].get("dropped", 0)
+    while time.time() < deadline:  # without the deployment's MAC, none of them is even decoded
+        dropped = disagg.info("decode-0")["receiver"].get("auth_rejected", 0)
         metrics = httpx.get(disagg.base_url + "/metrics").text
         bad = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                  if line.startswith("pdserve_router_bad_messages_total"))
+                  if line.startswith("pdserve_control_rejected_total"))
         if dropped >= 2 * len(payloads) and bad >= 2 * len(payloads):
             break
         time.sleep(0.1)
@@ -192,7 +193,8 @@ def test_flipped_byte_in_kv_payload_is_detected_and_never_decoded(disagg, tiny):
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(f"tcp://127.0.0.1:{disagg.proc('decode-0').kv_port}")
-    s.send_multipart([encode(meta), bytes(raw)])
+    # Signed with the deployment's secret: the checksum, not the MAC, is what catches it here.
+    s.send_multipart(FrameAuth.from_secret(disagg.secret.encode()).seal(KV_TO_DECODE, [encode(meta), bytes(raw)]))
     assert s.poll(5000), "no answer from the decode worker"
     ack = decode(s.recv_multipart()[-1])
     s.close()

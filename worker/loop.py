@@ -22,6 +22,7 @@ from pdserve.config.log_limits import RateLimitedLog
 from pdserve.config.worker import WorkerOptions
 from pdserve.engine.engine import Engine, EngineLoad, RequestOutput, RequestRejected
 from pdserve.model.weights import LoadedModel
+from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import (
     Abort,
     GenerateRequest,
@@ -33,7 +34,7 @@ from pdserve.protocol.messages import (
     TokenEvents,
 )
 from pdserve.worker.health import HealthServer
-from pdserve.worker.router_link import WorkerLink
+from pdserve.worker.router_link import Fence, WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class Worker(ABC):
         self._load: EngineLoad = engine.load()
         self.health = HealthServer(options.host, options.health_port, self._live, self._ready, self.info)
         self.link: WorkerLink | None = None
+        self.epoch = ""  # the router epoch of the work we hold (set by the link's Fence items)
 
     # --- subclass hooks --------------------------------------------------------------------
     @abstractmethod
@@ -112,7 +114,8 @@ class Worker(ABC):
             max_model_len=self.engine.max_model_len,
             kv_transports=self.options.kv_transports, host_id=self.host_id,
         )
-        self.link = WorkerLink(self.options.router_address, reg, self._heartbeat, self.options.heartbeat_interval).start()
+        self.link = WorkerLink(self.options.router_address, reg, self._heartbeat, self.options.heartbeat_interval,
+                               auth=FrameAuth.from_secret(self.options.secret)).start()
         log.info("%s %s: health %s, kv %r, router %s", self.role, self.worker_id, self.health.address,
                  self.kv_address(), self.options.router_address)
         return self
@@ -194,7 +197,18 @@ class Worker(ABC):
         except Exception as exc:
             self._log_failure("%s %s: %s failed: %r", self.role, self.worker_id, what, exc, key=what)
 
+    def fence(self, fence: Fence) -> None:
+        """Drop every request: the router that gave them is gone (or was replaced)."""
+        self.epoch = fence.epoch
+        ids = self.engine.request_ids()
+        if ids:
+            log.warning("%s %s: fence (%s): aborting %d requests", self.role, self.worker_id, fence.reason, len(ids))
+        self.abort(tuple(ids))
+
     def _handle(self, work) -> None:
+        if isinstance(work, Fence):
+            self.fence(work)
+            return
         if isinstance(work, Abort):
             self.abort(work.request_ids)
             return
@@ -258,7 +272,7 @@ class Worker(ABC):
         return time.monotonic() - self._last_tick < self.options.stuck_after
 
     def _ready(self) -> bool:
-        return self.link is not None and self.link.registered and not self._draining
+        return self.link is not None and self.link.alive and self.link.registered and not self._draining
 
     def info(self) -> dict:
         c = self.engine.counters

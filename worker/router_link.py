@@ -4,7 +4,12 @@ The engine loop never touches the socket: it calls `poll()` for new work (non-bl
 `send_events()` for its tokens (queued; the I/O thread is woken through a socketpair so tokens
 leave at once, not at the next poll tick). The I/O thread registers, heartbeats every
 `heartbeat_interval`, and registers again whenever the router says it does not know us (it
-restarted or timed us out). Frames that do not decode are dropped and counted, never executed.
+restarted or timed us out). Every frame is authenticated (pdserve.protocol.auth); frames that do
+not verify or decode are dropped and counted, never executed. Inbox and outbox are bounded.
+
+Fencing: the router's epoch comes with its RegisterAck. When a router with another epoch
+answers, or the router is silent for `ROUTER_LOST_HEARTBEATS` heartbeat intervals, `poll()`
+yields a `Fence` before any work of the new router: the worker drops everything it holds.
 """
 
 from __future__ import annotations
@@ -17,27 +22,46 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 import zmq
 
+from pdserve.config.log_limits import RateLimitedLog
+from pdserve.protocol.auth import CONTROL_TO_ROUTER, CONTROL_TO_WORKER, AuthError, FrameAuth
 from pdserve.protocol.codec import ProtocolError, decode, encode
 from pdserve.protocol.messages import (
     Abort,
     GenerateRequest,
     Goodbye,
     Heartbeat,
+    HeartbeatAck,
     Message,
     PrefillRequest,
     Register,
     RegisterAck,
+    TokenEvent,
     TokenEvents,
 )
 
 log = logging.getLogger(__name__)
+_log_bad = RateLimitedLog(log, logging.WARNING, per_seconds=10.0)
 
-Work = PrefillRequest | GenerateRequest | Abort
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # prompts can be long, but a control frame is never huge
+MAX_INBOX = 4096  # work items not yet polled by the engine loop
+MAX_OUTBOX = 4096  # token batches not yet sent
+ROUTER_LOST_HEARTBEATS = 3  # silent heartbeat intervals before the router counts as lost
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """Drop every request: they belong to a router that is gone (`epoch` is the new one, or '')."""
+
+    reason: str
+    epoch: str
+
+
+Work = PrefillRequest | GenerateRequest | Abort | Fence
 
 
 class WorkerLink:
@@ -53,6 +77,8 @@ class WorkerLink:
         register: Register,
         heartbeat_fn: Callable[[], Heartbeat],
         heartbeat_interval: float = 1.0,
+        *,
+        auth: FrameAuth | None = None,
     ) -> None:
         if not register.incarnation:
             register = msgspec.structs.replace(register, incarnation=secrets.token_hex(8))
@@ -61,16 +87,26 @@ class WorkerLink:
         self.worker_id = register.worker_id
         self.heartbeat_fn = heartbeat_fn
         self.heartbeat_interval = heartbeat_interval
+        self.auth = auth or FrameAuth(None)
         self.bad_messages = 0
+        self.rejected = 0  # frames that failed authentication
+        self.inbox_dropped = 0
+        self.outbox_dropped = 0
+        self.fences = 0
         self.refused_reason = ""
+        self.epoch = ""  # the epoch of the router we are registered with ('' before / after loss)
         self._inbox: collections.deque[Work] = collections.deque()
         self._outbox: collections.deque[Message] = collections.deque()
         self._registered = threading.Event()
         self._stop = threading.Event()
+        self._failed = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._next_register = 0.0
+        self._last_heard = 0.0
+        self._router_answers_heartbeats = False
+        self._unanswered = 0  # heartbeats sent since the router last said anything
         self._thread = threading.Thread(
             target=self._run, name=f"worker-link-{self.worker_id}", daemon=True
         )
@@ -88,6 +124,11 @@ class WorkerLink:
     def registered(self) -> bool:
         return self._registered.is_set()
 
+    @property
+    def alive(self) -> bool:
+        """False once the I/O thread died (or was closed): nothing reaches the router any more."""
+        return self._thread.is_alive() and not self._failed
+
     def poll(self) -> list[Work]:
         """Work the router sent since the last call, in order; never blocks."""
         out = []
@@ -95,10 +136,15 @@ class WorkerLink:
             out.append(self._inbox.popleft())
         return out
 
-    def send_events(self, events: TokenEvents) -> None:
-        """Queue one step's token events; the I/O thread sends them at once."""
+    def send_events(self, events: TokenEvents) -> bool:
+        """Queue one step's token events; the I/O thread sends them at once. False: dropped."""
+        if len(self._outbox) >= MAX_OUTBOX:
+            self.outbox_dropped += 1
+            _log_bad("worker %s: outbox full (%d batches); token events dropped", self.worker_id, MAX_OUTBOX)
+            return False
         self._outbox.append(events)
         self._wake()
+        return True
 
     def close(self, timeout: float = 1.0) -> None:
         """Say Goodbye (best effort within `timeout`) and stop the I/O thread."""
@@ -133,9 +179,10 @@ class WorkerLink:
             while True:
                 now = time.monotonic()
                 if not self._registered.is_set() and now >= self._next_register:
-                    sock.send(encode(self.register))
+                    self._send(sock, self.register)
                     self._next_register = now + self.heartbeat_interval
                 if now >= next_heartbeat:
+                    self._check_router(now)
                     self._send_heartbeat(sock)
                     next_heartbeat = now + self.heartbeat_interval
                 self._flush(sock)
@@ -152,9 +199,13 @@ class WorkerLink:
                 if sock in ready:
                     self._receive(sock)
         except Exception:
+            self._failed = True
             log.exception("worker %s: control link failed", self.worker_id)
         finally:
             sock.close()
+
+    def _send(self, sock: zmq.Socket, msg: Message) -> None:
+        sock.send_multipart(self.auth.seal(CONTROL_TO_ROUTER, [encode(msg)]))
 
     def _send_heartbeat(self, sock: zmq.Socket) -> None:
         try:
@@ -162,16 +213,63 @@ class WorkerLink:
         except Exception:
             log.exception("worker %s: heartbeat_fn failed; heartbeat skipped", self.worker_id)
             return
-        sock.send(encode(hb))
+        self._send(sock, hb)
+        self._unanswered += 1
 
     def _flush(self, sock: zmq.Socket) -> None:
         while self._outbox:
-            sock.send(encode(self._outbox.popleft()))
+            self._send(sock, self._outbox.popleft())
 
     def _drain_wake(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
             while self._wake_r.recv(4096):
                 pass
+
+    def _check_router(self, now: float) -> None:
+        """Fence when the router said nothing for ROUTER_LOST_HEARTBEATS heartbeat intervals.
+
+        Counted in heartbeats we sent, not in seconds: a worker too wedged to heartbeat does not
+        blame its router for the silence.
+        """
+        if not (self._registered.is_set() and self._router_answers_heartbeats):
+            return
+        silent = now - self._last_heard
+        # At the heartbeat due N intervals after the last answer, N-1 heartbeats went unanswered.
+        if self._unanswered >= ROUTER_LOST_HEARTBEATS - 1 and silent >= 0.95 * ROUTER_LOST_HEARTBEATS * self.heartbeat_interval:
+            log.error("worker %s: the router answered none of %d heartbeats (%.1f s); dropping its "
+                      "work and registering again", self.worker_id, self._unanswered, silent)
+            self._fence(f"lost the router (silent for {silent:.1f} s)", "", lost_work=True)
+            self._router_answers_heartbeats = False
+            self._registered.clear()
+            self._next_register = now
+
+    def _fence(self, reason: str, epoch: str, lost_work: bool) -> None:
+        self.epoch = epoch
+        if lost_work:
+            self.fences += 1
+            # A fenced worker lost its requests, as a restarted one does: a new incarnation tells
+            # a router that still lists us to fail what it had given us.
+            self.register = msgspec.structs.replace(self.register, incarnation=secrets.token_hex(8))
+            self._inbox.clear()  # work nobody polled yet belongs to the old router too
+        self._inbox.append(Fence(reason, epoch))
+
+    def _on_epoch(self, epoch: str) -> None:
+        """Every router frame that names an epoch: a new one fences (and re-registers)."""
+        if not epoch:  # a router (or test double) without epochs
+            return
+        self._router_answers_heartbeats = True
+        if epoch == self.epoch:
+            return
+        old = self.epoch
+        if old:
+            log.warning("worker %s: the router's epoch changed (%s -> %s): it restarted",
+                        self.worker_id, old, epoch)
+            self._registered.clear()
+            self._next_register = 0.0
+        # The first epoch (or the first after a loss) also goes through the inbox: the engine
+        # loop takes its epoch from there, in order with the work.
+        self._fence(f"the router restarted (epoch {old} -> {epoch})" if old else f"router epoch {epoch}",
+                    epoch, lost_work=bool(old))
 
     def _receive(self, sock: zmq.Socket) -> None:
         while True:
@@ -179,30 +277,58 @@ class WorkerLink:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 1:
-                self._bad(f"expected 1 frame, got {len(frames)}")
+            try:
+                body = self.auth.open(CONTROL_TO_WORKER, frames)
+            except AuthError as exc:
+                self.rejected += 1
+                _log_bad("worker %s: control frame refused: %s", self.worker_id, exc, key=f"auth-{exc.reason}")
+                continue
+            if len(body) != 1:
+                self._bad(f"expected 1 frame, got {len(body)}")
                 continue
             try:
-                msg = decode(frames[0])
+                msg = decode(body[0])
             except ProtocolError as exc:
                 self._bad(str(exc))
                 continue
+            self._last_heard = time.monotonic()
+            self._unanswered = 0
             if isinstance(msg, PrefillRequest | GenerateRequest | Abort):
-                self._inbox.append(msg)
+                self._on_work(msg, sock)
             elif isinstance(msg, RegisterAck):
                 self._on_ack(msg, sock)
+            elif isinstance(msg, HeartbeatAck):
+                self._on_epoch(msg.epoch)
             else:
                 self._bad(f"{type(msg).__name__} is not a router-to-worker message")
 
+    def _on_work(self, msg: PrefillRequest | GenerateRequest | Abort, sock: zmq.Socket) -> None:
+        epoch = getattr(msg, "epoch", "")
+        if epoch and self.epoch and epoch != self.epoch:
+            self._bad(f"work of router epoch {epoch}, ours is {self.epoch}")
+            return
+        if len(self._inbox) >= MAX_INBOX and not isinstance(msg, Abort):
+            self.inbox_dropped += 1
+            _log_bad("worker %s: inbox full (%d); request %s refused", self.worker_id, MAX_INBOX,
+                     msg.request_id)
+            error = TokenEvent(request_id=msg.request_id, token_ids=(), finish_reason="error",
+                               error="worker overloaded (inbox full); retry")
+            self._send(sock, TokenEvents(worker_id=self.worker_id, events=(error,)))
+            return
+        self._inbox.append(msg)
+
     def _on_ack(self, ack: RegisterAck, sock: zmq.Socket) -> None:
+        self._on_epoch(ack.epoch)
         if ack.accepted:
             self.refused_reason = ""
             if not self._registered.is_set():
                 log.info(
-                    "worker %s registered with the router at %s",
+                    "worker %s registered with the router at %s (epoch %s)",
                     self.worker_id,
                     self.router_address,
+                    ack.epoch or "-",
                 )
+            self._last_heard = time.monotonic()
             self._registered.set()
         elif ack.reason == "unknown worker":
             log.warning(
@@ -210,7 +336,7 @@ class WorkerLink:
                 self.worker_id,
             )
             self._registered.clear()
-            sock.send(encode(self.register))
+            self._send(sock, self.register)
         else:
             self.refused_reason = ack.reason
             self._registered.clear()
@@ -219,4 +345,4 @@ class WorkerLink:
 
     def _bad(self, why: str) -> None:
         self.bad_messages += 1
-        log.warning("worker %s: control frame from the router dropped: %s", self.worker_id, why)
+        _log_bad("worker %s: control frame from the router dropped: %s", self.worker_id, why, key="bad")

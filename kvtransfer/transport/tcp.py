@@ -6,10 +6,17 @@
 TCP sends the payload as one raw frame after the header (zero-copy on both ends: `copy=False,
 track=True` on send, a view over the received zmq Frame on receipt). The shm and CUDA IPC
 transports subclass these classes and send no payload frame: `location` names the bytes.
+
+Every message is `[auth frame, header, *payload]` (pdserve.protocol.auth): the MAC covers the
+header and the payload frames, so a receiver never decodes a frame of an unauthenticated sender
+(it drops it, counted in `stats()`). Acks are authenticated the same way. A transfer that fails
+on the receiver for any reason is NACKed at once. Sender sockets (one per decode address) are
+closed when idle for `IDLE_SOCKET_S` and capped at `MAX_PEER_SOCKETS`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import queue
@@ -22,6 +29,7 @@ import msgspec
 import torch
 import zmq
 
+from pdserve.config.log_limits import RateLimitedLog
 from pdserve.kvtransfer.payload import fingerprint_mismatch, payload_shape_mismatch, with_header
 from pdserve.kvtransfer.tensors import (
     TensorFrameError,
@@ -37,7 +45,9 @@ from pdserve.kvtransfer.transport.base import (
     ReceivedKV,
     TransportError,
     drain,
+    kv_channel,
 )
+from pdserve.protocol.auth import KV_TO_DECODE, KV_TO_PREFILL, AuthError, FrameAuth
 from pdserve.protocol.codec import ProtocolError, decode, encode
 from pdserve.protocol.messages import KVAck, KVTransfer, ModelFingerprint
 
@@ -46,6 +56,12 @@ log = logging.getLogger(__name__)
 _SCHEMES = ("tcp://", "ipc://")
 _BATCH = 64  # messages read per wake-up before other sockets get a turn
 _MAX_PENDING_PEERS = 65536  # unacked request ids remembered for their ack's return address
+MAX_QUEUED_SENDS = 4096  # sends handed to the I/O thread and not yet done: more fail at once
+MAX_READY = 4096  # received transfers the engine has not polled: more are NACKed at once
+IDLE_SOCKET_S = 60.0  # a sender's DEALER to a decode address with no traffic that long is closed
+MAX_PEER_SOCKETS = 256  # DEALERs one sender keeps open (the least recently used idle one goes)
+
+_log_bad = RateLimitedLog(log, logging.WARNING, per_seconds=10.0)
 
 
 def check_address(address: str) -> None:
@@ -67,20 +83,34 @@ class ZmqKVSender(KVSender):
     kind = "tcp"
     leases_region = False  # True where the receiver reads the sender's memory until the ack
 
-    def __init__(self, *, lease_s: float = 5.0, name: str = "kv-sender") -> None:
+    def __init__(self, *, lease_s: float = 5.0, name: str = "kv-sender", auth: FrameAuth | None = None) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
         self.lease_s = lease_s
+        self.auth = auth or kv_channel.auth
         self._acks: queue.Queue[KVAck] = queue.Queue()
         self._inflight: dict[str, _InFlight] = {}
         self._draining: list[_InFlight] = []  # done with, but zmq may still read their frames
-        self._sockets: dict[str, zmq.Socket] = {}
+        self._sockets: OrderedDict[str, zmq.Socket] = OrderedDict()  # least recently used first
+        self._last_used: dict[str, float] = {}
+        self._queued = 0  # sends not yet taken by the I/O thread (engine thread +, I/O thread -)
+        self._queued_lock = threading.Lock()
         self._loop = IOLoop(name, tick=self._tick)
 
     # --- engine thread -------------------------------------------------------------------
 
     def send(self, address: str, meta: KVTransfer, payload: torch.Tensor) -> None:
         check_address(address)
+        if not meta.epoch and kv_channel.epoch:
+            meta = with_header(meta, epoch=kv_channel.epoch)
+        with self._queued_lock:
+            full = self._queued >= MAX_QUEUED_SENDS
+            if not full:
+                self._queued += 1
+        if full:
+            self._loop.counters["queue_full"] += 1
+            self._acks.put(KVAck(request_id=meta.request_id, ok=False, reason="KV send queue full"))
+            return
         ready = None
         if payload.is_cuda:  # the I/O thread must not read it before the engine's stream wrote it
             ready = torch.cuda.Event()
@@ -116,6 +146,8 @@ class ZmqKVSender(KVSender):
     def _send_now(
         self, address: str, meta: KVTransfer, payload: torch.Tensor, ready: object
     ) -> None:
+        with self._queued_lock:
+            self._queued -= 1
         rid = meta.request_id
         if rid in self._inflight:
             self._fail(rid, "a KV transfer of this request is already in flight")
@@ -132,10 +164,11 @@ class ZmqKVSender(KVSender):
         lease_deadline = time.time() + self.lease_s if self.leases_region else 0.0
         meta = with_header(meta, transport=self.kind, lease_deadline=lease_deadline)
         try:
-            tracker = self._socket(address).send_multipart(
-                [encode(meta), *frames], flags=zmq.NOBLOCK, copy=False, track=True
+            sock = self._socket(address)
+            tracker = sock.send_multipart(
+                self.auth.seal(KV_TO_DECODE, [encode(meta), *frames]), flags=zmq.NOBLOCK, copy=False, track=True
             )
-        except zmq.ZMQError as exc:  # zmq.Again: the queue to that peer is full
+        except (zmq.ZMQError, TransportError) as exc:  # zmq.Again: the queue to that peer is full
             self._unstage(hold)
             self._fail(rid, f"cannot queue KV for {address}: {exc}")
             return
@@ -145,14 +178,45 @@ class ZmqKVSender(KVSender):
         self._loop.counters["bytes_sent"] += meta.tensor.nbytes
 
     def _socket(self, address: str) -> zmq.Socket:
+        self._last_used[address] = time.monotonic()
         sock = self._sockets.get(address)
-        if sock is None:
-            sock = self._loop.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(address)
-            self._sockets[address] = sock
-            self._loop.add_socket(sock, functools.partial(self._on_acks, address))
+        if sock is not None:
+            self._sockets.move_to_end(address)
+            return sock
+        if len(self._sockets) >= MAX_PEER_SOCKETS:
+            busy = self._busy_addresses()
+            idle = next((a for a in self._sockets if a not in busy), None)
+            if idle is None:
+                raise TransportError(f"{len(self._sockets)} decode peers busy (cap {MAX_PEER_SOCKETS})")
+            self._close_socket(idle)
+            self._loop.counters["sockets_evicted"] += 1
+        sock = self._loop.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        self._sockets[address] = sock
+        self._last_used[address] = time.monotonic()
+        self._loop.add_socket(sock, functools.partial(self._on_acks, address))
         return sock
+
+    def _busy_addresses(self) -> set[str]:
+        return {f.address for f in self._inflight.values()} | {f.address for f in self._draining}
+
+    def _close_socket(self, address: str) -> None:
+        self._last_used.pop(address, None)
+        sock = self._sockets.pop(address, None)
+        if sock is not None:
+            self._loop.remove_socket(sock)
+
+    def _evict_idle(self, now: float) -> float | None:
+        """Close sockets idle for IDLE_SOCKET_S; seconds until the next may go idle (None: none)."""
+        busy = self._busy_addresses()
+        for address in [a for a in self._sockets if a not in busy]:
+            if now - self._last_used.get(address, now) >= IDLE_SOCKET_S:
+                self._close_socket(address)
+                self._loop.counters["sockets_idle_closed"] += 1
+        if not self._sockets:
+            return None
+        return max(0.05, min(IDLE_SOCKET_S - (now - self._last_used.get(a, now)) for a in self._sockets))
 
     def _on_acks(self, address: str, sock: zmq.Socket) -> None:
         for _ in range(_BATCH):
@@ -160,24 +224,29 @@ class ZmqKVSender(KVSender):
                 parts = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            self._last_used[address] = time.monotonic()
             try:
-                if len(parts) != 1:
-                    raise ProtocolError(f"an ack is one frame, got {len(parts)}")
-                msg = decode(parts[0].buffer)
+                body = self.auth.open(KV_TO_PREFILL, [p.buffer for p in parts])
+            except AuthError as exc:
+                self._loop.counters["auth_rejected"] += 1
+                self._loop.counters[f"auth_{exc.reason}"] += 1
+                _log_bad("KV sender: refused a message from %s: %s", address, exc, key=f"auth-{exc.reason}")
+                continue
+            try:
+                if len(body) != 1:
+                    raise ProtocolError(f"an ack is one frame, got {len(body)}")
+                msg = decode(body[0])
                 if not isinstance(msg, KVAck):
                     raise ProtocolError(f"unexpected {type(msg).__name__} on the KV channel")
             except ProtocolError as exc:
                 self._loop.counters["dropped"] += 1
-                log.warning("KV sender: dropped a message from %s: %s", address, exc)
+                _log_bad("KV sender: dropped a message from %s: %s", address, exc, key="bad-ack")
                 continue
             f = self._inflight.get(msg.request_id)
             if f is None or f.address != address:
                 self._loop.counters["unexpected_acks"] += 1
-                log.warning(
-                    "request %s: ack from %s matches no transfer in flight (late?)",
-                    msg.request_id,
-                    address,
-                )
+                _log_bad("request %s: ack from %s matches no transfer in flight (late?)",
+                         msg.request_id, address, key="unexpected-ack")
                 continue
             del self._inflight[msg.request_id]
             self._done(f)
@@ -203,6 +272,9 @@ class ZmqKVSender(KVSender):
         waits = [f.deadline - now for f in self._inflight.values()]
         if self._draining:
             waits.append(0.01)
+        idle_wait = self._evict_idle(now)
+        if idle_wait is not None:
+            waits.append(idle_wait)
         return min(waits) if waits else None
 
     def _done(self, f: _InFlight) -> None:
@@ -212,9 +284,7 @@ class ZmqKVSender(KVSender):
             self._draining.append(f)
 
     def _reset_socket(self, address: str) -> None:
-        sock = self._sockets.pop(address, None)
-        if sock is not None:
-            self._loop.remove_socket(sock)
+        self._close_socket(address)
 
     def _fail(self, rid: str, reason: str) -> None:
         self._loop.counters["failed"] += 1
@@ -229,6 +299,7 @@ class ZmqKVSender(KVSender):
         for sock in self._sockets.values():
             self._loop.remove_socket(sock)
         self._sockets.clear()
+        self._last_used.clear()
         self._close_resources()
 
 
@@ -249,11 +320,13 @@ class ZmqKVReceiver(KVReceiver):
         fingerprint: ModelFingerprint | None = None,
         max_message_bytes: int = 1 << 32,
         name: str = "kv-receiver",
+        auth: FrameAuth | None = None,
     ) -> None:
         check_address(address)
         self.fingerprint = fingerprint
+        self.auth = auth or kv_channel.auth
         self._max_message_bytes = max_message_bytes
-        self._ready: queue.Queue[ReceivedKV] = queue.Queue()
+        self._ready: queue.Queue[ReceivedKV] = queue.Queue(MAX_READY)
         self._peers: OrderedDict[str, bytes] = OrderedDict()  # I/O thread only
         self._held: dict[str, ReceivedKV] = {}
         self._held_lock = threading.Lock()
@@ -334,10 +407,18 @@ class ZmqKVReceiver(KVReceiver):
 
     def _drop(self, reason: str) -> None:
         self._loop.counters["dropped"] += 1
-        log.warning("KV receiver %s dropped a message: %s", self.address, reason)
+        _log_bad("KV receiver %s dropped a message: %s", self.address, reason, key="dropped")
 
     def _handle(self, parts: list) -> None:
         identity, body = parts[0].bytes, parts[1:]
+        try:  # nothing of an unauthenticated sender is decoded, nor answered
+            n = len(self.auth.open(KV_TO_DECODE, [p.buffer for p in body]))
+        except AuthError as exc:
+            self._loop.counters["auth_rejected"] += 1
+            self._loop.counters[f"auth_{exc.reason}"] += 1
+            _log_bad("KV receiver %s refused a message: %s", self.address, exc, key=f"auth-{exc.reason}")
+            return
+        body = body[len(body) - n:]
         if not body:
             return self._drop("empty message")
         try:
@@ -354,13 +435,22 @@ class ZmqKVReceiver(KVReceiver):
             stale, _ = self._peers.popitem(last=False)
             log.warning("request %s: never acked; forgetting its sender", stale)
 
-        payload, release, reason = None, None, self._check(msg)
-        if reason is None:
-            try:
+        payload, release, reason = None, None, None
+        try:
+            reason = self._check(msg)
+            if reason is None:
                 payload, release = self._open(msg, body[1:])
                 reason = verify_reason(msg.tensor, payload)
-            except (TensorFrameError, TransportError, msgspec.MsgspecError) as exc:
-                reason = str(exc)
+        except (TensorFrameError, TransportError, msgspec.MsgspecError) as exc:
+            reason = str(exc)
+        except Exception as exc:  # anything else still ends in a prompt NACK, not a lease wait
+            self._loop.counters["receive_errors"] += 1
+            log.exception("request %s: KV receive failed", rid)
+            if callable(release):
+                with contextlib.suppress(Exception):
+                    release()
+            self._send_ack(KVAck(request_id=rid, ok=False, reason=f"receive failed: {type(exc).__name__}: {exc}"))
+            return
         ok = reason is None
         if ok:
             self._loop.counters["received"] += 1
@@ -373,7 +463,14 @@ class ZmqKVReceiver(KVReceiver):
             rkv.release()
         with self._held_lock:
             self._held[rid] = rkv
-        self._ready.put(rkv)
+        try:
+            self._ready.put_nowait(rkv)
+        except queue.Full:  # the engine is not polling: refuse now rather than let the lease run out
+            with self._held_lock:
+                self._held.pop(rid, None)
+            rkv.release()
+            self._loop.counters["ready_full"] += 1
+            self._send_ack(KVAck(request_id=rid, ok=False, reason="decode worker KV queue full"))
 
     def _check(self, msg: KVTransfer) -> str | None:
         # Every receiver also takes inline (tcp) transfers: the fallback between hosts.
@@ -394,7 +491,9 @@ class ZmqKVReceiver(KVReceiver):
             )
             return
         try:
-            self._sock.send_multipart([identity, encode(ack)], flags=zmq.NOBLOCK)
+            self._sock.send_multipart(
+                [identity, *self.auth.seal(KV_TO_PREFILL, [encode(ack)])], flags=zmq.NOBLOCK
+            )
             self._loop.counters["acks_sent"] += 1
         except zmq.ZMQError as exc:  # the sender is gone (ROUTER_MANDATORY) or not reading
             self._loop.counters["ack_failures"] += 1

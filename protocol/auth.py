@@ -1,0 +1,135 @@
+"""Frame authentication for the internal planes: HMAC-SHA256 with a per-sender replay guard.
+
+Every authenticated message is sent as `[auth frame, *message frames]`. The auth frame is
+
+    MAGIC(4) | session(8) | counter(8, big-endian) | time_ms(8, big-endian) | mac(32)   = 60 bytes
+
+session: random per sender (a process's `FrameAuth`), counter: strictly increasing per session,
+time_ms: the sender's wall clock. mac = HMAC-SHA256(key, label | the first 28 bytes | for each
+message frame: its length (8 bytes) and its bytes). `label` names the channel and direction
+("control>router", "kv>decode", ...), so a frame is never valid on another channel or reflected
+back. The receiver keeps the last counter of each session it has seen (bounded, LRU) and refuses
+a counter that does not grow (replay), a time outside +-`window_s` (an old capture), and a MAC that
+does not verify. Without a key (`--insecure`) nothing is signed and an auth frame is only stripped.
+
+No zmq and no torch here: frames are bytes-like (bytes, memoryview, zmq.Frame.buffer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+MAGIC = b"PDA1"
+_PREFIX = struct.Struct(">4s8sQQ")  # magic, session, counter, time_ms
+AUTH_FRAME_BYTES = _PREFIX.size + 32
+MAX_SESSIONS = 4096  # senders remembered for replay protection (LRU beyond)
+
+# Reasons a frame is refused (the `reason` label of the rejection counters).
+NO_MAC, MALFORMED, BAD_MAC, REPLAY, STALE = "no_mac", "malformed", "bad_mac", "replay", "stale"
+
+Buffer = bytes | memoryview
+
+
+class AuthError(ValueError):
+    """A frame that does not authenticate; `reason` is one of the constants above."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def derive_key(secret: bytes) -> bytes:
+    """The MAC key from the deployment secret (domain-separated, so the secret is not the key)."""
+    if len(secret) < 16:
+        raise ValueError("the deployment secret must be at least 16 bytes")
+    return hmac.new(secret, b"pdserve internal planes v1", hashlib.sha256).digest()
+
+
+def new_secret() -> str:
+    """A fresh random deployment secret (what `pdserve up` hands its children)."""
+    return secrets.token_urlsafe(32)
+
+
+def is_auth_frame(frame: Buffer) -> bool:
+    return len(frame) == AUTH_FRAME_BYTES and bytes(frame[:4]) == MAGIC
+
+
+class FrameAuth:
+    """One process's signer and verifier. Thread-safe; `key=None` means insecure (no MACs)."""
+
+    def __init__(self, key: bytes | None, *, window_s: float = 60.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.key = key
+        self.window_s = window_s
+        self.session = secrets.token_bytes(8)
+        self._clock = clock
+        self._counter = 0
+        self._seen: OrderedDict[bytes, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_secret(cls, secret: bytes | None, **kw) -> FrameAuth:
+        return cls(derive_key(secret) if secret else None, **kw)
+
+    @property
+    def secure(self) -> bool:
+        return self.key is not None
+
+    def seal(self, label: bytes, frames: Sequence[Buffer]) -> list[Buffer]:
+        """`[auth frame, *frames]` ready to send (just `frames` when insecure)."""
+        if self.key is None:
+            return list(frames)
+        with self._lock:
+            self._counter += 1
+            prefix = _PREFIX.pack(MAGIC, self.session, self._counter, int(self._clock() * 1000))
+        return [prefix + self._mac(label, prefix, frames), *frames]
+
+    def open(self, label: bytes, frames: Sequence[Buffer]) -> Sequence[Buffer]:
+        """The message frames of a received `[auth frame, *frames]`; raise AuthError if it fails."""
+        if self.key is None:  # insecure: accept signed and unsigned peers alike
+            return frames[1:] if frames and is_auth_frame(frames[0]) else frames
+        if not frames or len(frames[0]) != AUTH_FRAME_BYTES or bytes(frames[0][:4]) != MAGIC:
+            raise AuthError(NO_MAC, "the message carries no authentication frame")
+        head, body = bytes(frames[0]), frames[1:]
+        if not body:
+            raise AuthError(MALFORMED, "an authentication frame without a message")
+        prefix, mac = head[: _PREFIX.size], head[_PREFIX.size:]
+        _, session, counter, time_ms = _PREFIX.unpack(prefix)
+        if not hmac.compare_digest(mac, self._mac(label, prefix, body)):
+            raise AuthError(BAD_MAC, "the MAC does not verify (wrong secret or altered frame)")
+        skew = abs(self._clock() - time_ms / 1000)
+        if skew > self.window_s:
+            raise AuthError(STALE, f"timestamp {skew:.0f} s away from now (window {self.window_s:.0f} s)")
+        with self._lock:
+            last = self._seen.get(session, 0)
+            if counter <= last:
+                raise AuthError(REPLAY, f"counter {counter} of session {session.hex()} already seen")
+            self._seen[session] = counter
+            self._seen.move_to_end(session)
+            if len(self._seen) > MAX_SESSIONS:
+                self._seen.popitem(last=False)
+        return body
+
+    def _mac(self, label: bytes, prefix: bytes, frames: Sequence[Buffer]) -> bytes:
+        assert self.key is not None
+        h = hmac.new(self.key, label, hashlib.sha256)
+        h.update(b"\0")
+        h.update(prefix)
+        for f in frames:
+            h.update(len(f).to_bytes(8, "big"))
+            h.update(f)
+        return h.digest()
+
+
+# The channels' labels, one per direction.
+CONTROL_TO_ROUTER = b"control>router"
+CONTROL_TO_WORKER = b"control>worker"
+KV_TO_DECODE = b"kv>decode"
+KV_TO_PREFILL = b"kv>prefill"
