@@ -205,7 +205,7 @@ class EdgeProtocol(H11Protocol):
         if self._refused or self.transport.is_closing():
             return
         self._refused = True
-        client = "%s:%d" % self.client if self.client else "?"
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
         _log_refused("HTTP %d to %s: %s", status, client, message, key=f"edge-{status}")
         cycle = self.cycle
         if cycle is None or not cycle.response_started:
