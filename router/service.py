@@ -236,17 +236,14 @@ class RouterService:
     def _chat_ids(self, req: ChatCompletionRequest) -> list[int]:
         messages = []
         for m in req.messages:
-            msg: dict[str, Any] = {"role": m.role, "content": message_text(m)}
+            # Only an assistant message may have no content (parse_request checked).
+            msg: dict[str, Any] = {"role": m.role, "content": message_text(m) or ""}
             if m.name is not None:
                 msg["name"] = m.name
-            if m.tool_calls is not None:
-                msg["tool_calls"] = m.tool_calls
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
             messages.append(msg)
         kwargs = dict(req.chat_template_kwargs or {})
-        if req.tools is not None:
-            kwargs["tools"] = req.tools
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, **kwargs
