@@ -121,7 +121,7 @@ def add_edge_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tokenize-threads",
         type=int,
-        default=env_default("tokenize-threads", 2),
+        default=env_default("tokenize-threads", 1),
         help="threads that template and tokenize big prompts off the event loop",
     )
 
@@ -164,7 +164,7 @@ def config_from_args(args: argparse.Namespace, model_name: str):
         request_timeout=args.request_timeout,
         max_model_len=args.max_model_len,
         drain_timeout=args.drain_timeout,
-        tokenize_threads=getattr(args, "tokenize_threads", 2),
+        tokenize_threads=getattr(args, "tokenize_threads", 1),
     )
 
 

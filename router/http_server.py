@@ -16,7 +16,9 @@ plain-text "Invalid HTTP request received." with an enveloped answer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -144,6 +146,12 @@ class EdgeProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # asyncio sets TCP_NODELAY only when the listening socket says IPPROTO_TCP; one made
+        # by `socket.socket()` says 0, and Nagle + delayed ACK then add 40 ms to each answer.
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if len(self.connections) > self.limits.max_connections:
             self.refuse(
                 503, f"too many connections (limit {self.limits.max_connections}); retry shortly"
