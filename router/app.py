@@ -222,9 +222,18 @@ async def _generate(
         svc.metrics.requests.labels(str(CLIENT_GONE)).inc()
         log.info("request %s: client went away while sending its body", request_id)
         return Response(status_code=CLIENT_GONE)
-    except BaseException:  # a bug or a cancellation: never keep the slot nor the workers busy
+    except Exception:  # a bug: answer 500, and never keep the slot nor the workers busy
+        log.exception("request %s: unexpected error before its answer began", request_id)
         if state is not None:
             state.close("500")
+        else:
+            svc.metrics.requests.labels("500").inc()
+        if slot is not None:
+            slot.release()
+        return APIError(500, "internal server error; see the router's log").response()
+    except BaseException:  # cancelled: the same release, then let the cancellation go on
+        if state is not None:
+            state.close(str(CLIENT_GONE))
         if slot is not None:
             slot.release()
         raise
@@ -240,6 +249,9 @@ async def _generate(
         return SSEResponse(_sse(state, renderer, include_usage, outcome), on_close)
     try:
         return await _collect(state, renderer, request.receive)
+    except Exception:
+        log.exception("request %s: unexpected error while collecting", request_id)
+        return APIError(500, "internal server error; see the router's log").response()
     finally:
         state.close("500")  # a no-op when _collect closed it; else an exception escaped it
         slot.release()
