@@ -202,7 +202,7 @@ class EdgeProtocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """Called by uvicorn on any h11 parse error: answer with the envelope instead."""
-        exc = self.conn.last_error
+        exc = self.conn.last_error if isinstance(self.conn, _Conn) else None
         status = getattr(exc, "error_status_hint", 400) if exc is not None else 400
         detail = str(exc) if exc is not None and str(exc) else msg
         self.refuse(status, f"invalid HTTP request: {detail}")
