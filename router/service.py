@@ -188,7 +188,11 @@ class RouterService:
             self._check_chars(len(prompt), "prompt")
             return await self._offload(body_bytes, self.tokenizer.encode, prompt), "prompt"
         vocab = self.tokenizer.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+
+        def first_bad() -> int | None:
+            return next((t for t in prompt if not 0 <= t < vocab), None)
+
+        bad = await self._offload(body_bytes, first_bad)
         if bad is not None:
             raise bad_request(
                 f"token id {bad} in `prompt` is outside the vocabulary (size {vocab})", "prompt"

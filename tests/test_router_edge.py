@@ -186,3 +186,17 @@ def test_request_body_under_the_limits_still_flows_in_pieces(router):
             time.sleep(0.05)
         response = read_all(s, 5.0)
     assert response.startswith(b"HTTP/1.1 200"), response[:200]
+
+
+def test_edge_flags_default_from_the_environment(monkeypatch):
+    import argparse
+
+    from pdserve.router import cli
+
+    monkeypatch.setenv("PDSERVE_HEADER_TIMEOUT", "3.5")
+    monkeypatch.setenv("PDSERVE_MAX_CONNECTIONS", "7")
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    cli.add_edge_arguments(p)
+    limits = cli.edge_limits_from_args(p.parse_args(["--max-header-bytes", "4096"]))
+    assert limits == EdgeLimits(header_timeout=3.5, body_timeout=30.0, max_connections=7, max_header_bytes=4096)
