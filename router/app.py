@@ -46,6 +46,7 @@ from pdserve.text.loader import default_detokenizer_factory
 log = logging.getLogger(__name__)
 # Refusals are the client's doing: a flood of bad requests must cost a count, not a disk.
 _log_refused = RateLimitedLog(log, logging.INFO, per_seconds=10.0)
+_log_gone = RateLimitedLog(log, logging.INFO, per_seconds=10.0)
 
 _DEFAULT = object()
 CLIENT_GONE = 499  # nginx's "client closed request": only ever seen in logs and metrics
@@ -220,7 +221,7 @@ async def _generate(
         if slot is not None:
             slot.release()
         svc.metrics.requests.labels(str(CLIENT_GONE)).inc()
-        log.info("request %s: client went away while sending its body", request_id)
+        _log_gone("request %s: client went away while sending its body", request_id)
         return Response(status_code=CLIENT_GONE)
     except Exception:  # a bug: answer 500, and never keep the slot nor the workers busy
         log.exception("request %s: unexpected error before its answer began", request_id)
@@ -281,7 +282,7 @@ async def _collect(state: RequestState, renderer: Renderer, receive: Receive) ->
     async def watch_disconnect() -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        log.info("request %s: client disconnected while waiting", state.request_id)
+        _log_gone("request %s: client disconnected while waiting", state.request_id)
         state.fail(APIError(CLIENT_GONE, "client disconnected", code="client_disconnected"))
 
     watcher = asyncio.create_task(watch_disconnect())
