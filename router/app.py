@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from pdserve.config.log_limits import RateLimitedLog
 from pdserve.protocol.block_hash import hash_blocks
 from pdserve.router.errors import APIError, bad_request
 from pdserve.router.metrics import CONTENT_TYPE
@@ -43,6 +44,9 @@ from pdserve.router.service import RouterConfig, RouterService
 from pdserve.text.loader import default_detokenizer_factory
 
 log = logging.getLogger(__name__)
+# Refusals are the client's doing: a flood of bad requests must cost a count, not a disk.
+_log_refused = RateLimitedLog(log, logging.INFO, per_seconds=10.0)
+_log_gone = RateLimitedLog(log, logging.INFO, per_seconds=10.0)
 
 _DEFAULT = object()
 CLIENT_GONE = 499  # nginx's "client closed request": only ever seen in logs and metrics
@@ -190,44 +194,67 @@ async def _generate(
     arrival = time.monotonic()
     request_id = id_prefix + uuid.uuid4().hex
     slot = None
+    state: RequestState | None = None
     try:
         svc.check_auth(request.headers.get("authorization"))
         slot = svc.admit()
-        req = parse_request(await read_body(request, svc.config.max_body_bytes), kind)
+        body = await read_body(request, svc.config.max_body_bytes)
+        req = parse_request(body, kind)
         svc.check_model(req.model)
-        prompt_ids, prompt_param = await svc.prompt_ids(req)
+        prompt_ids, prompt_param = await svc.prompt_ids(req, len(body))
         params = svc.sampling_params(req, len(prompt_ids), prompt_param)
         want_logprobs = params[0].logprobs is not None
+        await svc.prefix_hashes(prompt_ids)
         state = svc.submit(
             request_id, prompt_ids, params, stop_strings(req), want_logprobs, arrival
+        )
+        renderer = renderer_cls(
+            request_id, svc.config.served_model_name, len(params), svc.tokenizer, want_logprobs
         )
     except APIError as exc:
         if slot is not None:
             slot.release()
         svc.metrics.requests.labels(str(exc.status)).inc()
-        log.info("request %s refused: %d %s", request_id, exc.status, exc.message)
+        _log_refused("request %s refused: %d %s", request_id, exc.status, exc.message)
         return exc.response()
     except ClientDisconnect:
         if slot is not None:
             slot.release()
         svc.metrics.requests.labels(str(CLIENT_GONE)).inc()
-        log.info("request %s: client went away while sending its body", request_id)
+        _log_gone("request %s: client went away while sending its body", request_id)
         return Response(status_code=CLIENT_GONE)
-    renderer = renderer_cls(
-        request_id, svc.config.served_model_name, len(params), svc.tokenizer, want_logprobs
-    )
+    except Exception:  # a bug: answer 500, and never keep the slot nor the workers busy
+        log.exception("request %s: unexpected error before its answer began", request_id)
+        if state is not None:
+            state.close("500")
+        else:
+            svc.metrics.requests.labels("500").inc()
+        if slot is not None:
+            slot.release()
+        return APIError(500, "internal server error; see the router's log").response()
+    except BaseException:  # cancelled: the same release, then let the cancellation go on
+        if state is not None:
+            state.close(str(CLIENT_GONE))
+        if slot is not None:
+            slot.release()
+        raise
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         outcome = [str(CLIENT_GONE)]  # until the stream says otherwise
+        held = slot
 
         def on_close() -> None:
             state.close(outcome[0])
-            slot.release()
+            held.release()
 
         return SSEResponse(_sse(state, renderer, include_usage, outcome), on_close)
     try:
         return await _collect(state, renderer, request.receive)
+    except Exception:
+        log.exception("request %s: unexpected error while collecting", request_id)
+        return APIError(500, "internal server error; see the router's log").response()
     finally:
+        state.close("500")  # a no-op when _collect closed it; else an exception escaped it
         slot.release()
 
 
@@ -255,7 +282,7 @@ async def _collect(state: RequestState, renderer: Renderer, receive: Receive) ->
     async def watch_disconnect() -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        log.info("request %s: client disconnected while waiting", state.request_id)
+        _log_gone("request %s: client disconnected while waiting", state.request_id)
         state.fail(APIError(CLIENT_GONE, "client disconnected", code="client_disconnected"))
 
     watcher = asyncio.create_task(watch_disconnect())

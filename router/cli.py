@@ -95,6 +95,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR")
 
 
+def add_edge_arguments(p: argparse.ArgumentParser) -> None:
+    """The HTTP edge's limits (router/http_server.py; docs/http_edge.md)."""
+    g = p.add_argument_group("HTTP edge")
+    g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=env_default("header-timeout", 10.0),
+        help="seconds a client has to send its request line and headers (408 after)",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=float,
+        default=env_default("body-timeout", 30.0),
+        help="seconds a client has to send its whole body once the headers are in (408 after)",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=int,
+        default=env_default("max-connections", 2048),
+        help="open HTTP connections; one more is answered 503 and closed",
+    )
+    g.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=env_default("max-header-bytes", 16 * 1024),
+        help="largest request line + headers accepted (431 above)",
+    )
+    g.add_argument(
+        "--tokenize-threads",
+        type=int,
+        default=env_default("tokenize-threads", 1),
+        help="threads that template and tokenize big prompts off the event loop",
+    )
+
+
+def edge_limits_from_args(args: argparse.Namespace):
+    from pdserve.router.http_server import EdgeLimits
+
+    return EdgeLimits(
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
+        max_header_bytes=args.max_header_bytes,
+    )
+
+
 def register(sub: Any) -> None:
     """Add `router` to `pdserve`'s subcommands."""
     p = sub.add_parser(
@@ -104,6 +150,7 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(p)
+    add_edge_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -121,6 +168,7 @@ def config_from_args(args: argparse.Namespace, model_name: str):
         request_timeout=args.request_timeout,
         max_model_len=args.max_model_len,
         drain_timeout=args.drain_timeout,
+        tokenize_threads=getattr(args, "tokenize_threads", 1),
     )
 
 
@@ -137,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pdserve.router.app import create_app
+    from pdserve.router.http_server import server_config
     from pdserve.text.loader import load_tokenizer
 
     level = getattr(args, "log_level", None) or env_default("log-level", "INFO")
@@ -167,13 +216,13 @@ def run(args: argparse.Namespace) -> int:
             super().handle_exit(sig, frame)
 
     server = _Server(
-        uvicorn.Config(
+        server_config(
             app,
+            edge_limits_from_args(args),
             host=args.host,
             port=args.port,
             log_level=level.lower(),
             timeout_graceful_shutdown=max(1, int(config.drain_timeout)),
-            access_log=False,
         )
     )
     log.info(

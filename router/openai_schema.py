@@ -1,8 +1,11 @@
 """OpenAI request and response bodies as msgspec Structs, and their strict parsing.
 
-Requests ignore fields we do not know (clients send `user`, `store`, `metadata`...), but every
-known field is type-checked and a wrong type names its `param`. Responses follow OpenAI's shape
-field for field so the official `openai` client parses them.
+Requests ignore fields we do not know and that change nothing about the answer (clients send
+`user`, `store`, `metadata`...), but every known field is type-checked and a wrong type names its
+`param`, and a field that would change the answer in a way pdserve does not honour (`tools`,
+`logit_bias`, ...) is a 400 naming it rather than a silent drop: `UNSUPPORTED` lists them, and
+README's "The API" section lists both kinds. Responses follow OpenAI's shape field for field so
+the official `openai` client parses them.
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ class ChatMessage(msgspec.Struct):
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields chat and completions share (OpenAI's plus the vLLM extras benchmarks use)."""
+    """Fields chat and completions share (OpenAI's plus the vLLM extras benchmarks use).
+
+    The `Any` fields at the end are parsed only to be refused when set (see `UNSUPPORTED`).
+    """
 
     model: str
     stream: bool = False
@@ -58,6 +64,14 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     n: int = 1
     ignore_eos: bool = False
     min_tokens: int = 0
+    logit_bias: Any = None
+    best_of: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -66,8 +80,16 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    chat_template: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -78,6 +100,28 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
 
 R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
+
+# Fields that would change the answer in a way pdserve does not honour: set to anything but
+# their "off" value, they are a 400 naming the field. (field, off values, why)
+UNSUPPORTED: tuple[tuple[str, tuple[Any, ...], str], ...] = (
+    ("chat_template", (None,), "the model's own chat template is always used"),
+    ("functions", (None, []), "function calling is not supported"),
+    ("function_call", (None, "none"), "function calling is not supported"),
+    ("tools", (None, []), "tool calling is not supported yet"),
+    ("tool_choice", (None, "none"), "tool calling is not supported yet"),
+    ("parallel_tool_calls", (None, False), "tool calling is not supported yet"),
+    ("logit_bias", (None, {}), "logit bias is not supported"),
+    ("best_of", (None, 1), "best_of is not supported; use n"),
+    ("use_beam_search", (None, False), "beam search is not supported"),
+    ("length_penalty", (None, 1, 1.0), "length_penalty (beam search) is not supported"),
+    ("guided_json", (None,), "guided decoding is not supported"),
+    ("guided_regex", (None,), "guided decoding is not supported"),
+    ("guided_choice", (None,), "guided decoding is not supported"),
+    ("guided_grammar", (None,), "guided decoding is not supported"),
+    ("modalities", (None, ["text"]), "only text output is supported"),
+    ("audio", (None,), "audio output is not supported"),
+    ("prediction", (None,), "predicted outputs are not supported"),
+)
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
@@ -107,7 +151,17 @@ def parse_request(body: bytes, kind: type[R]) -> R:
     return req
 
 
+def _check_unsupported(req: _SamplingFields) -> None:
+    for name, off, why in UNSUPPORTED:
+        value = getattr(req, name, None)
+        if not any(value == o and type(value) is type(o) for o in off):
+            raise bad_request(
+                f"`{name}` is not supported by this server: {why}", name, "unsupported_parameter"
+            )
+
+
 def _check_common(req: _SamplingFields) -> None:
+    _check_unsupported(req)
     if not req.model:
         raise bad_request("`model` must be a non-empty string", "model")
     if not 1 <= req.n <= MAX_N:
@@ -129,6 +183,17 @@ def _check_chat(req: ChatCompletionRequest) -> None:
     if not req.messages:
         raise bad_request("`messages` must contain at least one message", "messages")
     for i, message in enumerate(req.messages):
+        if message.tool_calls:
+            raise bad_request(
+                "`tool_calls` in messages are not supported: tool calling is not supported yet",
+                f"messages[{i}].tool_calls",
+                "unsupported_parameter",
+            )
+        if message.content is None and message.role != "assistant":
+            raise bad_request(
+                f"a {message.role} message needs `content` (a string or a list of text parts)",
+                f"messages[{i}].content",
+            )
         if isinstance(message.content, list):
             for j, part in enumerate(message.content):
                 if part.type != "text" or part.text is None:

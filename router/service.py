@@ -11,6 +11,7 @@ import hmac
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +33,10 @@ from pdserve.router.requests import Choice, RequestState, RequestTracker
 
 log = logging.getLogger(__name__)
 
-# Prompts longer than this are templated/tokenized off the event loop.
-_INLINE_TOKENIZE_CHARS = 8192
+# Bodies larger than this are templated/tokenized (and block-hashed) off the event loop.
+_INLINE_BODY_BYTES = 8192
+# The longest text one token can stand for, when the tokenizer cannot tell (see max_token_chars).
+_FALLBACK_MAX_TOKEN_CHARS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,7 @@ class RouterConfig:
     request_timeout: float = 60.0
     max_model_len: int | None = None
     drain_timeout: float = 30.0
+    tokenize_threads: int = 2
 
 
 class Slot:
@@ -89,6 +93,15 @@ class RouterService:
         self.inflight = 0
         self.draining = False
         self._api_key = config.api_key.encode() if config.api_key else None
+        # Templating, tokenizing and hashing a big prompt take seconds: never on the loop.
+        self._pool = ThreadPoolExecutor(
+            max(1, config.tokenize_threads), thread_name_prefix="pdserve-tokenize"
+        )
+        self.max_token_chars = max_token_chars(tokenizer)
+        self._hashes: tuple[Sequence[int], dict[int, list[bytes]]] | None = None
+        if hasher is not None:
+            self.registry.hasher = self._hash
+        self._hasher = hasher
 
     async def start(self) -> None:
         await self.control.start()
@@ -103,6 +116,7 @@ class RouterService:
         while len(self.tracker) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         await self.control.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def drain(self, timeout: float) -> None:
         """Stop admitting and wait (up to `timeout`) for in-flight requests to finish."""
@@ -158,43 +172,82 @@ class RouterService:
     # --- prompt --------------------------------------------------------------------------
 
     async def prompt_ids(
-        self, req: ChatCompletionRequest | CompletionRequest
+        self, req: ChatCompletionRequest | CompletionRequest, body_bytes: int = 0
     ) -> tuple[list[int], str]:
-        """Token ids of the request's prompt and the param that names it in errors."""
+        """Token ids of the request's prompt and the param that names it in errors.
+
+        `body_bytes` (the request body's size) decides whether the work leaves the loop: it
+        bounds the text, the tools and the template kwargs alike.
+        """
         if isinstance(req, ChatCompletionRequest):
-            size = sum(len(message_text(m) or "") for m in req.messages)
-            return await self._maybe_offload(size, self._chat_ids, req), "messages"
+            chars = sum(len(message_text(m) or "") for m in req.messages)
+            self._check_chars(chars, "messages")
+            return await self._offload(body_bytes, self._chat_ids, req), "messages"
         prompt = completion_prompt(req)
         if isinstance(prompt, str):
-            return await self._maybe_offload(len(prompt), self.tokenizer.encode, prompt), "prompt"
+            self._check_chars(len(prompt), "prompt")
+            return await self._offload(body_bytes, self.tokenizer.encode, prompt), "prompt"
         vocab = self.tokenizer.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+
+        def first_bad() -> int | None:
+            return next((t for t in prompt if not 0 <= t < vocab), None)
+
+        bad = await self._offload(body_bytes, first_bad)
         if bad is not None:
             raise bad_request(
                 f"token id {bad} in `prompt` is outside the vocabulary (size {vocab})", "prompt"
             )
         return prompt, "prompt"
 
-    @staticmethod
-    async def _maybe_offload(size: int, fn: Callable[..., Any], *args: Any) -> Any:
-        if size <= _INLINE_TOKENIZE_CHARS:
+    def _check_chars(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing, text that cannot fit: no token is longer than
+        `max_token_chars`, so `chars` characters are at least chars / max_token_chars tokens."""
+        ctx = self.context_length()
+        if chars > ctx * self.max_token_chars:
+            raise bad_request(
+                f"the prompt has {chars} characters, more than the context length ({ctx} tokens) "
+                f"can hold at {self.max_token_chars} characters per token at most",
+                param,
+                "context_length_exceeded",
+            )
+
+    async def _offload(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
+        if size <= _INLINE_BODY_BYTES:
             return fn(*args)
-        return await asyncio.to_thread(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def prefix_hashes(self, token_ids: Sequence[int]) -> None:
+        """Hash a long prompt's blocks off the loop, for every block size the workers use, so
+        that routing (on the loop) finds them ready. The next `submit` consumes them."""
+        if self._hasher is None or len(token_ids) * 8 <= _INLINE_BODY_BYTES:
+            return
+        sizes = sorted({w.block_size for w in self.registry.workers.values()})
+        hasher = self._hasher
+
+        def work() -> dict[int, list[bytes]]:
+            return {bs: hasher(token_ids, bs) for bs in sizes}
+
+        by_size = await asyncio.get_running_loop().run_in_executor(self._pool, work)
+        self._hashes = (token_ids, by_size)
+
+    def _hash(self, token_ids: Sequence[int], block_size: int) -> list[bytes]:
+        ready = self._hashes
+        if ready is not None and ready[0] is token_ids and block_size in ready[1]:
+            return ready[1][block_size]
+        assert self._hasher is not None
+        return self._hasher(token_ids, block_size)
 
     def _chat_ids(self, req: ChatCompletionRequest) -> list[int]:
         messages = []
         for m in req.messages:
-            msg: dict[str, Any] = {"role": m.role, "content": message_text(m)}
+            # Only an assistant message may have no content (parse_request checked).
+            msg: dict[str, Any] = {"role": m.role, "content": message_text(m) or ""}
             if m.name is not None:
                 msg["name"] = m.name
-            if m.tool_calls is not None:
-                msg["tool_calls"] = m.tool_calls
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
             messages.append(msg)
         kwargs = dict(req.chat_template_kwargs or {})
-        if req.tools is not None:
-            kwargs["tools"] = req.tools
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, **kwargs
@@ -290,19 +343,25 @@ class RouterService:
             raise APIError(503, "the router is shutting down", code="shutting_down")
         choices: list[Choice] = []
         token_ids = tuple(prompt_ids)
-        for i, sp in enumerate(params):
-            sub_id = f"{request_id}-{i}"
-            route = self.registry.pick(sub_id, token_ids, sp.max_tokens)
-            if route is None:
-                for c in choices:
-                    self.control.abort(c.route.workers, (c.request_id,))
-                    self.registry.forget_request(c.request_id, c.route.workers)
-                raise unavailable(
-                    "no worker can serve this request now (need a prefill and a decode worker, or a colocated one)"
+        ready, self._hashes = self._hashes, None
+        if ready is not None and ready[0] is prompt_ids:
+            self._hashes = (token_ids, ready[1])
+        try:
+            for i, sp in enumerate(params):
+                sub_id = f"{request_id}-{i}"
+                route = self.registry.pick(sub_id, token_ids, sp.max_tokens)
+                if route is None:
+                    for c in choices:
+                        self.control.abort(c.route.workers, (c.request_id,))
+                        self.registry.forget_request(c.request_id, c.route.workers)
+                    raise unavailable(
+                        "no worker can serve this request now (need a prefill and a decode worker, or a colocated one)"
+                    )
+                choices.append(
+                    Choice(i, sub_id, route, self.detokenizer_factory(self.tokenizer), stops)
                 )
-            choices.append(
-                Choice(i, sub_id, route, self.detokenizer_factory(self.tokenizer), stops)
-            )
+        finally:
+            self._hashes = None
         state = RequestState(
             request_id,
             choices,
@@ -351,3 +410,16 @@ class RouterService:
         self.tracker.remove(state)
         for c in state.choices:
             self.registry.forget_request(c.request_id, c.route.workers)
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """An upper bound on the characters one token decodes to, from the vocabulary if it is
+    readable (byte-level spellings: one vocabulary character per byte, so never fewer)."""
+    backend = getattr(tokenizer, "backend", None)
+    try:
+        vocab = backend.get_vocab(with_added_tokens=True) if backend is not None else None
+    except Exception:  # a backend without get_vocab: fall back to the documented bound
+        vocab = None
+    if not vocab:
+        return _FALLBACK_MAX_TOKEN_CHARS
+    return max(max(len(t) for t in vocab), 1)

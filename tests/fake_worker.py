@@ -31,6 +31,7 @@ from pdserve.protocol.messages import (
     TokenEvents,
 )
 from pdserve.router.app import create_app
+from pdserve.router.http_server import EdgeLimits, server_config
 from pdserve.router.service import RouterConfig
 from pdserve.worker.router_link import Fence, WorkerLink
 
@@ -339,7 +340,7 @@ class RouterHarness:
     """The real router app on 127.0.0.1:<free port> with a control socket on a free port."""
 
     def __init__(self, tokenizer=None, auth: FrameAuth | None = None, model_name: str | None = None,
-                 **config) -> None:
+                 edge: EdgeLimits | None = None, **config) -> None:
         config.setdefault("control_address", "tcp://127.0.0.1:*")
         config.setdefault("served_model_name", "fake-model")
         config.setdefault("heartbeat_timeout", 1.0)
@@ -358,7 +359,9 @@ class RouterHarness:
         self.port = self._sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(
-            uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2)
+            server_config(
+                self.app, edge or EdgeLimits(), log_level="warning", timeout_graceful_shutdown=2
+            )
         )
         self._thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True

@@ -58,3 +58,32 @@ def test_streamed_emoji_arrives_whole_and_stop_string_is_cut(router):
     pieces = [ch.choices[0].delta.content or "" for ch in chunks if ch.choices]
     assert "".join(pieces) == REPLY[: REPLY.index(" est")]
     assert all("\ufffd" not in p for p in pieces)
+
+
+def _cut_inside_a_character(tok, text: str) -> tuple[list[int], int]:
+    ids = tok.encode(text)
+    k = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    return ids, k
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_inside_a_multibyte_character_ends_without_a_broken_one(stream):
+    source = load_tokenizer("default")
+    tok = source.tokenizer
+    ids, k = _cut_inside_a_character(tok, "Bonjour 🙂🙂 fin")
+    with RouterHarness(tokenizer=tok, served_model_name="m") as h:
+        h.worker("colo-0", script=ids)
+        c = openai.OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0)
+        args = {"model": "m", "messages": [{"role": "user", "content": "Salut"}], "max_tokens": k}
+        if stream:
+            chunks = list(c.chat.completions.create(stream=True, **args))
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+        else:
+            r = c.chat.completions.create(**args)
+            text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+            comp = c.completions.create(model="m", prompt="Salut", max_tokens=k)
+            assert comp.choices[0].text == text
+    assert finish == "length"
+    assert "\ufffd" not in text
+    assert text == tok.decode(ids[:k]).rstrip("\ufffd") and text.startswith("Bonjour")

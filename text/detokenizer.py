@@ -22,7 +22,8 @@ class IncrementalDetokenizer:
     """Detokenizes one request's output. Owned by one request; not thread-safe.
 
     Invariant: `text` + the decode of the held-back tokens == `tokenizer.decode(all pushed ids)`,
-    and after `flush()` `text` alone equals it. No chunk ends in a partial UTF-8 character.
+    and after `flush()` `text` alone equals it less any trailing U+FFFD (an incomplete final
+    character). No chunk ends in a partial UTF-8 character, and no chunk ends in U+FFFD.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
@@ -47,12 +48,17 @@ class IncrementalDetokenizer:
         return self._emit(full_text[len(prefix_text) :])
 
     def flush(self) -> str:
-        """Emit whatever is held back (at the end of a request), replacement characters included."""
+        """Emit what is held back at the end of a request, less an incomplete final character.
+
+        Generation cut inside a multi-byte character (max_tokens) leaves bytes that decode to
+        U+FFFD; they are dropped, not shown. Only the held-back tail is trimmed, so a U+FFFD
+        emitted earlier stays; one the model itself wrote as its very last text is lost too.
+        """
         if self._read_offset == len(self._window):
             return ""
         prefix_text = self._decode(self._window[: self._read_offset])
         full_text = self._decode(self._window)
-        return self._emit(full_text[len(prefix_text) :])
+        return self._emit(full_text[len(prefix_text) :].rstrip(_REPLACEMENT))
 
     @property
     def text(self) -> str:

@@ -243,7 +243,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special-token text such as "<|im_start|>" becomes its one id."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch entry point releases the GIL while it works (plain `encode` holds it for
+        # the whole call: seconds on a 400k-token prompt, freezing every other thread).
+        return self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; bytes that do not form UTF-8 come out as U+FFFD."""
