@@ -22,6 +22,7 @@ from pdserve.engine.kv_connector import KVConnector
 from pdserve.kvtransfer.connector import DecodeConnector
 from pdserve.kvtransfer.transport import KVReceiver, ReceivedKV, make_receiver
 from pdserve.model.weights import LoadedModel, load_model
+from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import ModelFingerprint
 from pdserve.worker.loop import Worker, error_event, model_fingerprint
 
@@ -49,7 +50,8 @@ class DecodeWorker(Worker):
         super().__init__(options, engine, fingerprint)
         self.kv_in = connector
         self.receiver: KVReceiver = make_receiver(
-            options.kv_transports[0], f"tcp://{options.host}:{options.kv_port}", fingerprint=fingerprint
+            options.kv_transports[0], f"tcp://{options.host}:{options.kv_port}", fingerprint=fingerprint,
+            auth=FrameAuth.from_secret(options.secret),
         )
         self.aborted: dict[str, float] = {}  # aborts that may precede their KV
         self.kv_refused = 0

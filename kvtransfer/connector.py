@@ -44,6 +44,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ModelRunner
 from pdserve.kvtransfer.tensors import describe
 from pdserve.kvtransfer.transport import KVSender, ReceivedKV, make_sender
+from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import KVTransfer, ModelFingerprint
 from pdserve.protocol.sampling import SamplingParams
 
@@ -77,8 +78,10 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
     """Holds, ships and releases the KV of requests that continue on a decode worker."""
 
     def __init__(self, fingerprint: ModelFingerprint, worker_id: str, max_model_len: int,
-                 lease_s: float = 5.0) -> None:
+                 lease_s: float = 5.0, auth: FrameAuth | None = None) -> None:
         self.fingerprint = fingerprint
+        self.auth = auth  # signs every KV frame (None: unauthenticated, --insecure)
+        self.epoch = ""  # the router epoch this worker's requests come from (set on a fence)
         self.worker_id = worker_id
         self.max_model_len = max_model_len
         self.lease_s = lease_s
@@ -174,7 +177,7 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
             prompt_token_ids=tuple(req.prompt_token_ids), output_token_ids=tuple(req.output_token_ids),
             sampling=target.sampling, num_computed_tokens=req.num_computed_tokens,
             fingerprint=self.fingerprint, tensor=describe(payload, with_checksum=False),
-            transport=target.transport, arrival_time=req.arrival_time,
+            transport=target.transport, arrival_time=req.arrival_time, epoch=self.epoch,
         )
         target.sent_at, target.nbytes = time.time(), payload.numel() * payload.element_size()
         self.in_flight[req.request_id] = target
@@ -182,7 +185,7 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
 
     def _sender(self, kind: str) -> KVSender:
         if kind not in self._senders:
-            options: dict[str, object] = {"lease_s": self.lease_s}
+            options: dict[str, object] = {"lease_s": self.lease_s, "auth": self.auth}
             if kind == "shm":
                 options["owner"] = self.worker_id  # a restarted worker reaps its predecessor's segments
             self._senders[kind] = make_sender(kind, **options)

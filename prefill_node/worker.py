@@ -20,8 +20,8 @@ from pdserve.engine.engine import Engine, context_length
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.kvtransfer.connector import HandoffTarget, PrefillConnector, first_token_only
 from pdserve.kvtransfer.transport import available_kinds
-from pdserve.kvtransfer.transport.base import kv_channel
 from pdserve.model.weights import LoadedModel, load_model
+from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import ModelFingerprint, PrefillRequest
 from pdserve.worker.loop import Worker, default_worker_id, error_event, model_fingerprint
 from pdserve.worker.router_link import Fence
@@ -44,7 +44,7 @@ class PrefillWorker(Worker):
         loaded = loaded or load_model(config.model)
         fingerprint = model_fingerprint(config, loaded)
         connector = PrefillConnector(fingerprint, worker_id, context_length(config, loaded.config),
-                                     lease_s=options.kv_lease)
+                                     lease_s=options.kv_lease, auth=FrameAuth.from_secret(options.secret))
         engine = Engine(config, loaded, KVConnector(connector, connector))
         return cls(options, engine, fingerprint, connector)
 
@@ -82,7 +82,7 @@ class PrefillWorker(Worker):
     def fence(self, fence: Fence) -> None:
         """Drop the old router's requests; KV sent from now on carries the new epoch."""
         super().fence(fence)
-        kv_channel.epoch = fence.epoch
+        self.handoff.epoch = fence.epoch
         for rid in list(self.handoff.targets):
             self.handoff.forget(rid)
 

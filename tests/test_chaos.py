@@ -9,9 +9,8 @@ behaviour of that record:
 - nothing leaks: every worker's /info shows no used block and no running request afterwards,
   and no shared-memory KV segment of a dead process is left in /dev/shm.
 
-Timings are printed (run with -s) and repeated in the assertion messages. A known product bug is
-a strict xfail (ROUTER_ORPHANS below): it turns into a failure once fixed, as a reminder to drop
-the mark.
+Timings are printed (run with -s) and repeated in the assertion messages. After a router restart
+the workers' fences (a new router epoch) are what free the dead router's requests.
 """
 
 from __future__ import annotations
@@ -238,11 +237,6 @@ SCENARIOS = [
     ("shm", "router", False),
 ]
 
-ROUTER_ORPHANS = (
-    "product bug: after a router restart the workers re-register but keep generating the dead "
-    "router's requests (nobody aborts them) until max_tokens, holding their blocks and batch slots"
-)
-
 @pytest.fixture(scope="module")
 def deployments(tmp_path_factory):
     """One deployment per KV transport, started on first use; every pid each one has had."""
@@ -295,9 +289,7 @@ def test_kill_9_then_restart_serves_a_new_request_within_10s(chaos):
     assert chaos.restart_to_first_success <= RECOVER_WITHIN_S, chaos.summary()
 
 
-def test_kill_9_then_restart_leaves_no_used_blocks_or_running_requests(chaos, request):
-    if chaos.victim == "router":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=ROUTER_ORPHANS))
+def test_kill_9_then_restart_leaves_no_used_blocks_or_running_requests(chaos):
     held = {w: (i["used_blocks"], i["running"], i["waiting"]) for w, i in chaos.idle_infos.items()}
     assert all(b == 0 and r == 0 for b, r, _ in held.values()), (
         f"{chaos.summary()}; (used_blocks, running, waiting) {QUIET_WITHIN_S} s after: {held}"

@@ -26,12 +26,8 @@ def serve(factory: WorkerFactory, args: argparse.Namespace, policy: str | None =
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from pdserve.kvtransfer.transport.base import configure_kv_channel
-    from pdserve.protocol.auth import FrameAuth
-
     try:
         options = worker_options(args)  # refuses to run without a secret unless --insecure
-        configure_kv_channel(FrameAuth.from_secret(options.secret))
         worker = factory(options, engine_config(args, policy))
     except (ConfigError, ModelLoadError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)

@@ -6,10 +6,9 @@ below; they hand work to the I/O thread through a queue and a wake-up pipe, and 
 from queues the I/O thread fills. Nothing received is unpickled or executed: headers are
 decoded strictly by `pdserve.protocol.messages.decode`, payloads are raw bytes.
 
-`kv_channel` is what every sender and receiver of one process shares: the authenticator of the
-deployment secret (every KV frame and ack is MAC'd, pdserve.protocol.auth) and the router epoch
-that senders stamp on each KVTransfer. A worker process sets both once (worker/serve.py, the
-prefill worker's fence); transports made without an explicit `auth` use them.
+Every KV frame and ack is MAC'd with the deployment secret (pdserve.protocol.auth): a sender or
+receiver is given its `FrameAuth` (`auth=`); without one it runs unauthenticated, and a secured
+peer refuses it.
 """
 
 from __future__ import annotations
@@ -28,28 +27,9 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import KVAck, KVTransfer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class KVChannel:
-    """Process-wide KV channel settings: the frame authenticator and the current router epoch."""
-
-    auth: FrameAuth = field(default_factory=lambda: FrameAuth(None))
-    epoch: str = ""
-
-
-kv_channel = KVChannel()
-
-
-def configure_kv_channel(auth: FrameAuth) -> None:
-    """Authenticate every KV sender and receiver this process makes from now on with `auth`."""
-    kv_channel.auth = auth
-    if not auth.secure:
-        log.warning("the KV channel is NOT authenticated (--insecure)")
 
 
 class TransportError(RuntimeError):

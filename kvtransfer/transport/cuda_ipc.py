@@ -25,6 +25,7 @@ from pdserve.kvtransfer.payload import with_header
 from pdserve.kvtransfer.tensors import describe, validate_header
 from pdserve.kvtransfer.transport.base import TransportError, TransportUnavailable
 from pdserve.kvtransfer.transport.tcp import ZmqKVReceiver, ZmqKVSender
+from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import KVTransfer
 
 
@@ -91,13 +92,14 @@ class CudaIpcKVSender(ZmqKVSender):
     leases_region = True
 
     def __init__(
-        self, *, lease_s: float = 5.0, device: int | None = None, name: str = "kv-sender-cuda-ipc"
+        self, *, lease_s: float = 5.0, device: int | None = None, name: str = "kv-sender-cuda-ipc",
+        auth: FrameAuth | None = None,
     ) -> None:
         require_cuda()
         self.device = torch.device(
             "cuda", torch.cuda.current_device() if device is None else device
         )
-        super().__init__(lease_s=lease_s, name=name)
+        super().__init__(lease_s=lease_s, name=name, auth=auth)
 
     def _stage(self, meta: KVTransfer, payload: torch.Tensor) -> tuple[KVTransfer, list, object]:
         t = payload.detach()

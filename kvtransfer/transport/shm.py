@@ -35,6 +35,7 @@ from pdserve.kvtransfer.payload import with_header
 from pdserve.kvtransfer.tensors import as_bytes, describe, tensor_from_buffer
 from pdserve.kvtransfer.transport.base import TransportError
 from pdserve.kvtransfer.transport.tcp import ZmqKVReceiver, ZmqKVSender
+from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import KVTransfer
 
 SEGMENT_PREFIX = "pdserve-kv-"
@@ -150,10 +151,10 @@ class ShmKVSender(ZmqKVSender):
 
     def __init__(
         self, *, lease_s: float = 5.0, max_pool_bytes: int = 4 << 30, name: str = "kv-sender-shm",
-        owner: str = "",
+        owner: str = "", auth: FrameAuth | None = None,
     ) -> None:
         self._pool = ShmPool(max_pool_bytes, owner)
-        super().__init__(lease_s=lease_s, name=name)
+        super().__init__(lease_s=lease_s, name=name, auth=auth)
 
     def _stage(self, meta: KVTransfer, payload: torch.Tensor) -> tuple[KVTransfer, list, object]:
         src = payload.detach()

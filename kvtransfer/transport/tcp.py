@@ -45,7 +45,6 @@ from pdserve.kvtransfer.transport.base import (
     ReceivedKV,
     TransportError,
     drain,
-    kv_channel,
 )
 from pdserve.protocol.auth import KV_TO_DECODE, KV_TO_PREFILL, AuthError, FrameAuth
 from pdserve.protocol.codec import ProtocolError, decode, encode
@@ -87,7 +86,8 @@ class ZmqKVSender(KVSender):
         if lease_s <= 0:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
         self.lease_s = lease_s
-        self.auth = auth or kv_channel.auth
+        # A session of its own (same key): counters of two senders never interleave on one socket.
+        self.auth = FrameAuth(auth.key) if auth is not None else FrameAuth(None)
         self._acks: queue.Queue[KVAck] = queue.Queue()
         self._inflight: dict[str, _InFlight] = {}
         self._draining: list[_InFlight] = []  # done with, but zmq may still read their frames
@@ -101,8 +101,6 @@ class ZmqKVSender(KVSender):
 
     def send(self, address: str, meta: KVTransfer, payload: torch.Tensor) -> None:
         check_address(address)
-        if not meta.epoch and kv_channel.epoch:
-            meta = with_header(meta, epoch=kv_channel.epoch)
         with self._queued_lock:
             full = self._queued >= MAX_QUEUED_SENDS
             if not full:
@@ -324,7 +322,7 @@ class ZmqKVReceiver(KVReceiver):
     ) -> None:
         check_address(address)
         self.fingerprint = fingerprint
-        self.auth = auth or kv_channel.auth
+        self.auth = auth if auth is not None else FrameAuth(None)
         self._max_message_bytes = max_message_bytes
         self._ready: queue.Queue[ReceivedKV] = queue.Queue(MAX_READY)
         self._peers: OrderedDict[str, bytes] = OrderedDict()  # I/O thread only
