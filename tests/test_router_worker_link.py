@@ -155,3 +155,38 @@ def test_shm_is_chosen_for_workers_on_the_same_host():
         )
         assert r.status_code == 200
         assert p.requests()[-1].kv_transport == "shm"
+
+
+def test_a_full_inbox_refuses_new_work_with_an_error_event_and_keeps_aborts(raw_router, monkeypatch):
+    from pdserve.worker import router_link
+
+    monkeypatch.setattr(router_link, "MAX_INBOX", 2)
+    sock, address = raw_router
+    link = WorkerLink(address, register(), heartbeat, heartbeat_interval=0.05).start()
+    try:
+        ident, _ = recv_until(sock, Register)
+        works = [GenerateRequest(request_id=f"r{i}", token_ids=(1, 2), sampling=SamplingParams()) for i in range(3)]
+        for msg in (*works, Abort(request_ids=("r0",))):
+            sock.send_multipart([ident, encode(msg)])
+        _, refused = recv_until(sock, TokenEvents)  # the third one, answered at once
+        assert [(e.request_id, e.finish_reason) for e in refused.events] == [("r2", "error")]
+        deadline, got = time.monotonic() + 3, []
+        while len(got) < 3 and time.monotonic() < deadline:
+            got += link.poll()
+            time.sleep(0.005)
+        assert got == [works[0], works[1], Abort(request_ids=("r0",))] and link.inbox_dropped == 1
+    finally:
+        link.close()
+
+
+def test_a_full_outbox_drops_token_batches_and_counts_them(raw_router, monkeypatch):
+    from pdserve.worker import router_link
+
+    monkeypatch.setattr(router_link, "MAX_OUTBOX", 0)
+    sock, address = raw_router
+    link = WorkerLink(address, register(), heartbeat, heartbeat_interval=0.05)  # not started: nothing drains
+    batch = TokenEvents(worker_id="w0", events=(TokenEvent(request_id="r", token_ids=(1,)),))
+    try:
+        assert link.send_events(batch) is False and link.outbox_dropped == 1
+    finally:
+        link.close()
