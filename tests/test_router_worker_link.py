@@ -190,3 +190,26 @@ def test_a_full_outbox_drops_token_batches_and_counts_them(raw_router, monkeypat
         assert link.send_events(batch) is False and link.outbox_dropped == 1
     finally:
         link.close()
+
+
+def test_a_burst_of_unknown_worker_answers_makes_one_registration_not_a_storm(raw_router):
+    """A restarted router answers every queued token batch with 'unknown worker'."""
+    sock, address = raw_router
+    link = WorkerLink(address, register(), heartbeat, heartbeat_interval=1.0).start()
+    try:
+        ident, _ = recv_until(sock, Register)
+        sock.send_multipart([ident, encode(RegisterAck(worker_id="w0", accepted=True))])
+        assert link.wait_registered(3)
+        for _ in range(50):
+            sock.send_multipart([ident, encode(RegisterAck(worker_id="w0", accepted=False, reason="unknown worker"))])
+        registers, deadline = 0, time.monotonic() + 0.5  # half a heartbeat interval
+        sock.setsockopt(zmq.RCVTIMEO, 100)
+        while time.monotonic() < deadline:
+            try:
+                _, frame = sock.recv_multipart()
+            except zmq.Again:
+                continue
+            registers += isinstance(decode(frame), Register)
+        assert registers == 1
+    finally:
+        link.close()

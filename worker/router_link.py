@@ -331,12 +331,16 @@ class WorkerLink:
             self._last_heard = time.monotonic()
             self._registered.set()
         elif ack.reason == "unknown worker":
-            log.warning(
-                "worker %s: the router does not know us (restarted?); registering again",
-                self.worker_id,
-            )
-            self._registered.clear()
-            self._send(sock, self.register)
+            # The router answers every frame of a worker it does not know (each batch of tokens
+            # queued while it was down): register once, and let the retry timer repeat it.
+            if self._registered.is_set():
+                log.warning(
+                    "worker %s: the router does not know us (restarted?); registering again",
+                    self.worker_id,
+                )
+                self._registered.clear()
+                self._send(sock, self.register)
+                self._next_register = time.monotonic() + self.heartbeat_interval
         else:
             self.refused_reason = ack.reason
             self._registered.clear()
