@@ -1,8 +1,9 @@
 """`pdserve up`: the router and its workers on this machine, as child processes.
 
 Disaggregated by default (one prefill and one decode worker, each pinned to its own CPU core,
-KV over shared memory); `--colocated --policy X` starts the colocated baseline instead. Ctrl-C or
-SIGTERM drains the workers, then stops the router.
+KV over shared memory); `--colocated --policy X` starts the colocated baseline instead. A child
+that dies is started again with backoff while the others keep serving (pdserve/supervisor.py).
+Ctrl-C or SIGTERM drains the workers, then stops the router.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import contextlib
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -30,6 +30,7 @@ from pdserve.config.names import COLOCATED_POLICIES, KV_TRANSPORTS
 from pdserve.config.ports import free_port
 from pdserve.config.worker import SECRET_ENV, WorkerOptions, worker_argv
 from pdserve.protocol.auth import new_secret
+from pdserve.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ def register(sub) -> None:
                         "prefill workers and the router share the rest)")
     p.add_argument("--api-key", default=env_default("api-key", None), help="require this bearer token")
     p.add_argument("--ready-timeout", type=float, default=env_default("ready-timeout", 600.0))
+    p.add_argument("--restart-backoff", type=float, default=env_default("restart-backoff", 1.0),
+                   help="seconds before a dead child is started again (doubles while it keeps dying)")
     add_engine_arguments(p)
     p.set_defaults(func=run)
 
@@ -102,7 +105,6 @@ def run(args) -> int:
     except ConfigError as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
-    procs: list[tuple[str, subprocess.Popen]] = []
     stopping = False
 
     def stop(*_):
@@ -115,20 +117,14 @@ def run(args) -> int:
     # not argv, so `ps` does not show it.
     env = dict(os.environ, **{SECRET_ENV: new_secret()})
     env.pop("PDSERVE_SECRET_FILE", None)
-    for name, cmd, core in children:
-        pre = (lambda c=core: os.sched_setaffinity(0, {c})) if core is not None else None
-        procs.append((name, subprocess.Popen(cmd, preexec_fn=pre, start_new_session=True, env=env)))
-        log.info("started %s (pid %d%s)", name, procs[-1][1].pid, f", core {core}" if core is not None else "")
+    supervisor = Supervisor(children, env, min_backoff=args.restart_backoff).start()
     url = f"http://{args.host}:{args.port}"
     ready = False
     deadline = time.time() + args.ready_timeout
     code = 0
     while not stopping:
-        dead = [(n, p.returncode) for n, p in procs if p.poll() is not None]
-        if dead:
-            print(f"pdserve: {dead[0][0]} exited with status {dead[0][1]}; shutting down", file=sys.stderr)
-            code = 1
-            break
+        # A dead child is restarted (with backoff) while the others keep serving.
+        supervisor.poll()
         if not ready:
             with contextlib.suppress(httpx.HTTPError):
                 ready = httpx.get(f"{url}/ready", timeout=1.0).status_code == 200
@@ -140,22 +136,5 @@ def run(args) -> int:
                 code = 1
                 break
         time.sleep(0.2)
-    _shutdown(procs)
+    supervisor.stop()
     return code
-
-
-def _shutdown(procs: list[tuple[str, subprocess.Popen]]) -> None:
-    """Workers drain first (so in-flight requests finish), then the router stops."""
-    workers = [p for n, p in procs if n != "router"]
-    routers = [p for n, p in procs if n == "router"]
-    for group in (workers, routers):
-        for p in group:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.time() + 30
-        for p in group:
-            try:
-                p.wait(max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
