@@ -14,8 +14,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from pdserve.protocol.sampling import SamplingParams
 
 
@@ -59,13 +57,10 @@ class Request:
     error: str | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
-    generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        if self.sampling.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling.seed)
 
     @property
     def num_prompt_tokens(self) -> int:

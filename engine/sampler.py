@@ -1,8 +1,10 @@
 """Turns one step's logits into next tokens, per request's SamplingParams.
 
 Order per row: penalties -> min_tokens masking -> (greedy argmax | temperature, top-k, top-p,
-min-p, then a draw). Seeded requests draw from their own generator, so the same seed gives the
-same output whatever else is in the batch. Logprobs are reported from the model's distribution
+min-p, then a draw). A seeded request's draw for output position k comes from a generator
+seeded by (seed, k) alone: the same seed gives the same output whatever else is in the batch,
+and whichever worker samples position k (the prefill worker samples position 0, the decode
+worker the rest) draws exactly what one engine would have. Logprobs are reported from the model's distribution
 after penalties, before temperature and truncation.
 """
 
@@ -13,6 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.request import Request
+
+
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """The generator of a seeded request's draw at output `position` (a splitmix64 of both)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return torch.Generator().manual_seed((z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF)
 
 
 @dataclass(slots=True)
@@ -74,7 +84,7 @@ class Sampler:
         if p.min_p > 0.0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         # Exponential race: argmax(p / E) with E ~ Exp(1) is an exact draw from p.
-        gen = req.generator or self.generator
+        gen = self.generator if p.seed is None else position_generator(p.seed, req.num_output_tokens)
         noise = torch.empty_like(probs).exponential_(generator=gen)
         return int((probs / noise).argmax())
 

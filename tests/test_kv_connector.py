@@ -263,3 +263,19 @@ def test_an_error_during_admission_rolls_its_blocks_back_and_fails_only_that_req
     assert pair.tokens["good"] == colocated[0]
     pair.decode.pool.check_integrity()
     assert pair.decode.cache_stats()["used_blocks"] == 0
+
+
+def test_seeded_sampling_across_the_handoff_equals_one_engine(tiny):
+    """The prefill worker draws position 0, the decode worker the rest: the draws depend only on
+    (seed, position), so the tokens are what the colocated engine draws."""
+    seeded = [replace_sampling(temperature=1.0, top_p=0.9, seed=11 + i) for i in range(len(PROMPTS))]
+    llm = LLM(loaded=tiny, config=CFG)
+    expected = [o.token_ids for o in llm.generate(PROMPTS, seeded, use_tqdm=False)]
+    pair = Pair(tiny)
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            pair.submit(f"r{i}", prompt, seeded[i])
+        pair.run()
+        assert [pair.tokens[f"r{i}"] for i in range(len(PROMPTS))] == expected
+    finally:
+        pair.close()

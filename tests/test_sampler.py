@@ -54,10 +54,26 @@ def test_same_seed_same_draws_and_other_seeds_differ():
     def draws(seed):
         r = req(SamplingParams(temperature=1.5, seed=seed))
         s = Sampler(seed=99)
-        return [s(LOGITS.clone(), [r]).token_ids[0] for _ in range(30)]
+        out = []
+        for _ in range(30):  # each draw is for the next output position
+            out.append(s(LOGITS.clone(), [r]).token_ids[0])
+            r.append_token(out[-1])
+        return out
 
     assert draws(7) == draws(7)
     assert draws(7) != draws(8)
+
+
+def test_a_seeded_draw_depends_only_on_the_seed_and_the_position():
+    """What lets another worker continue a seeded request exactly (the prefill/decode hand-off)."""
+    def draw_at(position, history):
+        r = req(SamplingParams(temperature=1.5, seed=5))
+        for t in history[:position]:
+            r.append_token(t)
+        return Sampler(seed=123)(LOGITS.clone(), [r]).token_ids[0]
+
+    assert draw_at(3, [0, 0, 0]) == draw_at(3, [5, 4, 3])  # the tokens before do not matter
+    assert len({draw_at(k, [1] * 40) for k in range(40)}) > 1
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
