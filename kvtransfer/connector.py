@@ -69,9 +69,11 @@ class HandoffResult(NamedTuple):
     reason: str
 
 
-def first_token_only(sampling: SamplingParams) -> SamplingParams:
-    """What a prefill engine runs: the same sampling, stopped after the first token."""
-    return msgspec.structs.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
+def first_token_only(sampling: SamplingParams, num_generated: int = 0) -> SamplingParams:
+    """What a prefill engine runs: the same sampling, stopped after its next token (the first,
+    or the one after `num_generated` already generated elsewhere)."""
+    cap = num_generated + 1
+    return msgspec.structs.replace(sampling, max_tokens=cap, min_tokens=min(sampling.min_tokens, cap))
 
 
 class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):

@@ -61,8 +61,10 @@ class PrefillWorker(Worker):
             raise ValueError(f"a prefill worker takes prefill requests, not {type(work).__name__}")
         if work.kv_transport not in self.options.kv_transports:
             raise ValueError(f"KV transport {work.kv_transport!r} is not enabled on this worker")
-        self.engine.add_request(work.request_id, list(work.token_ids), first_token_only(work.sampling),
-                                work.arrival_time or None)
+        generated = list(work.output_token_ids)
+        self.engine.add_request(work.request_id, list(work.token_ids),
+                                first_token_only(work.sampling, len(generated)), work.arrival_time or None,
+                                output_token_ids=generated)
         self.handoff.expect(work.request_id, HandoffTarget(work.decode_kv_address, work.kv_transport, work.sampling))
 
     def busy(self) -> bool:

@@ -24,7 +24,7 @@ import msgspec
 
 from pdserve.protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 3  # 3: router epochs (RegisterAck, work, KVTransfer), HeartbeatAck; 2: Register lost health_address
+PROTOCOL_VERSION = 4  # 4: work carries output_token_ids (migration); 3: router epochs (RegisterAck, work, KVTransfer), HeartbeatAck; 2: Register lost health_address
 
 Role = Literal["prefill", "decode", "colocated"]
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -140,6 +140,9 @@ class PrefillRequest(_Msg, tag="prefill", frozen=True):
     kv_transport: str = "tcp"
     arrival_time: float = 0.0
     epoch: str = ""  # the router's epoch (ControlServer stamps it)
+    # Tokens the request already generated on a worker that was lost: recomputed here (through
+    # the prefix cache where it holds them), and generation goes on from the next position.
+    output_token_ids: tuple[int, ...] = ()
 
 
 class GenerateRequest(_Msg, tag="generate", frozen=True):
@@ -150,6 +153,7 @@ class GenerateRequest(_Msg, tag="generate", frozen=True):
     sampling: SamplingParams
     arrival_time: float = 0.0
     epoch: str = ""
+    output_token_ids: tuple[int, ...] = ()  # as in PrefillRequest
 
 
 class Abort(_Msg, tag="abort", frozen=True):

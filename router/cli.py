@@ -85,6 +85,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds without any token before a request fails",
     )
     g.add_argument(
+        "--migration-limit",
+        type=int,
+        default=env_default("migration-limit", 3),
+        help="times one request may be re-dispatched (prompt + tokens so far) after its worker is lost; 0: fail it",
+    )
+    g.add_argument(
         "--drain-timeout",
         type=float,
         default=env_default("drain-timeout", 30.0),
@@ -169,6 +175,7 @@ def config_from_args(args: argparse.Namespace, model_name: str):
         max_model_len=args.max_model_len,
         drain_timeout=args.drain_timeout,
         tokenize_threads=getattr(args, "tokenize_threads", 1),
+        migration_limit=args.migration_limit,
     )
 
 

@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import zmq
@@ -92,6 +92,9 @@ class ControlServer:
         self.inbox_dropped = 0
         self.bound_address = ""
         self.alive = False
+        # What a lost worker's requests come to (the service migrates them; by default they fail).
+        self.on_lost: Callable[[WorkerState, str], int] = lambda w, message: self.tracker.fail_worker(
+            w.worker_id, message)
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._out: queue.Queue[tuple[bytes, bytes]] = queue.Queue(MAX_OUTBOX)
@@ -293,6 +296,9 @@ class ControlServer:
             _log_bad("worker %s refused: %s", msg.worker_id, reason, key=f"refused-{msg.worker_id}")
             self._refuse(msg.worker_id, reason)
             return
+        # The ack (with our epoch) goes first: work re-dispatched from the old incarnation may go
+        # to the new one, which must know the epoch before it takes that work.
+        self.send(msg.worker_id, RegisterAck(worker_id=msg.worker_id, accepted=True, epoch=self.epoch))
         if old is not None:
             self._lost(old, f"worker {msg.worker_id} registered again (restarted)", forget=False)
         log.info(
@@ -305,7 +311,6 @@ class ControlServer:
             ",".join(msg.kv_transports),
         )
         self._count_workers()
-        self.send(msg.worker_id, RegisterAck(worker_id=msg.worker_id, accepted=True, epoch=self.epoch))
 
     def _on_heartbeat(self, msg: Heartbeat, now: float) -> None:
         prev = self.registry.workers.get(msg.worker_id)
@@ -351,7 +356,7 @@ class ControlServer:
                 self._lost(w, f"worker {w.worker_id} ({w.role}) stopped responding")
 
     def _lost(self, w: WorkerState, message: str, forget: bool = True) -> None:
-        n = self.tracker.fail_worker(w.worker_id, message)
+        n = self.on_lost(w, message)
         if n:
             log.warning("%s: failed %d in-flight requests", message, n)
         if forget:

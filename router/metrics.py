@@ -71,6 +71,10 @@ class RouterMetrics:
             registry=r,
         )
         self.workers = Gauge("pdserve_router_workers", "Live workers by role", ["role"], registry=r)
+        self.migrations = Counter(
+            "pdserve_router_migrations", "Requests re-dispatched after their worker was lost, by cause",
+            ["cause"], registry=r,
+        )
         self.kv_blocks_used = Gauge(
             "pdserve_kv_blocks_used", "KV blocks in use on a worker", ["worker", "role"], registry=r
         )

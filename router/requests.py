@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from pdserve.protocol.messages import TokenEvent
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.router.errors import APIError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import Route
@@ -93,11 +94,17 @@ class Choice:
     """One of a request's n outputs: its route, detokenizer, stop matcher and counters."""
 
     def __init__(
-        self, index: int, request_id: str, route: Route, detokenizer: Any, stops: Sequence[str]
+        self, index: int, request_id: str, route: Route, detokenizer: Any, stops: Sequence[str],
+        sampling: SamplingParams | None = None,
     ) -> None:
         self.index = index
         self.request_id = request_id
         self.route = route
+        self.sampling = sampling
+        self.token_ids: list[int] = []  # generated so far, in order (what a migration resends)
+        self.migrations = 0
+        self.base_id = request_id  # each dispatch gets its own id: base_id, then base_id~1, ...
+        self.decode_started = False  # a token came from the decode worker: it holds the KV
         self.detokenizer = detokenizer
         self.stop = StopMatcher(stops)
         self.completion_tokens = 0
@@ -143,6 +150,7 @@ class Choice:
         pieces = []
         for i, token_id in enumerate(ev.token_ids):
             self.completion_tokens += 1
+            self.token_ids.append(token_id)
             if want_logprobs and ev.logprobs is not None and i < len(ev.logprobs):
                 top = (
                     ev.top_logprobs[i]
@@ -196,6 +204,7 @@ class RequestState:
         self.request_id = request_id
         self.choices = choices
         self.prompt_tokens = prompt_tokens
+        self.prompt_ids: tuple[int, ...] = ()  # what a migration resends (with the choice's tokens)
         self.want_logprobs = want_logprobs
         self.timeout = timeout
         self.metrics = metrics
@@ -329,8 +338,31 @@ class RequestTracker:
                 worker_id,
             )
             return False
+        choice = state.choices[index]
+        if ev.token_ids and worker_id == choice.route.decode:
+            choice.decode_started = True
         state.queue.put_nowait((index, worker_id, ev))
         return True
+
+    def affected(self, worker_id: str) -> list[tuple[RequestState, Choice]]:
+        """The unfinished choices that losing `worker_id` stops: those it generates for, and
+        those whose prefill it ran while their decode worker has not started yet (the KV may
+        never arrive). A decode that has started needs its prefill worker no more."""
+        out = []
+        for state, index in list(self._subs.values()):
+            c = state.choices[index]
+            if c.finished or state.closed or worker_id not in c.route.workers:
+                continue
+            if worker_id == c.route.first and c.route.decode is not None and c.decode_started:
+                continue
+            out.append((state, c))
+        return out
+
+    def rekey(self, old_id: str, new_id: str) -> None:
+        """A choice re-dispatched under a new id: late events of the old one are dropped."""
+        entry = self._subs.pop(old_id, None)
+        if entry is not None:
+            self._subs[new_id] = entry
 
     def fail_worker(self, worker_id: str, message: str) -> int:
         """Fail every unfinished request that touched `worker_id`; returns how many."""

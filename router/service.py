@@ -28,7 +28,7 @@ from pdserve.router.openai_schema import (
     completion_prompt,
     message_text,
 )
-from pdserve.router.registry import Hasher, Registry
+from pdserve.router.registry import Hasher, Registry, WorkerState
 from pdserve.router.requests import Choice, RequestState, RequestTracker
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class RouterConfig:
     max_model_len: int | None = None
     drain_timeout: float = 30.0
     tokenize_threads: int = 2
+    migration_limit: int = 3  # re-dispatches of one choice after its worker was lost
 
 
 class Slot:
@@ -90,6 +91,7 @@ class RouterService:
             self.metrics,
             config.heartbeat_timeout,
         )
+        self.control.on_lost = self._worker_lost
         self.inflight = 0
         self.draining = False
         self._api_key = config.api_key.encode() if config.api_key else None
@@ -358,7 +360,7 @@ class RouterService:
                         "no worker can serve this request now (need a prefill and a decode worker, or a colocated one)"
                     )
                 choices.append(
-                    Choice(i, sub_id, route, self.detokenizer_factory(self.tokenizer), stops)
+                    Choice(i, sub_id, route, self.detokenizer_factory(self.tokenizer), stops, sp)
                 )
         finally:
             self._hashes = None
@@ -373,26 +375,12 @@ class RouterService:
             on_close=self._forget,
             arrival=arrival,
         )
+        state.prompt_ids = token_ids
         self.tracker.add(state)
         now = time.time()
         for c, sp in zip(choices, params, strict=True):
             r = c.route
-            if r.mode == "disaggregated":
-                assert r.decode is not None
-                msg: PrefillRequest | GenerateRequest = PrefillRequest(
-                    request_id=c.request_id,
-                    token_ids=token_ids,
-                    sampling=sp,
-                    decode_worker_id=r.decode,
-                    decode_kv_address=r.decode_kv_address,
-                    kv_transport=r.kv_transport,
-                    arrival_time=now,
-                )
-            else:
-                msg = GenerateRequest(
-                    request_id=c.request_id, token_ids=token_ids, sampling=sp, arrival_time=now
-                )
-            self.control.send(r.first, msg)
+            self._send_work(c, token_ids, sp, now)
             self.metrics.request_started()
             log.info(
                 "request %s: %d prompt tokens, max_tokens %d -> %s%s (%s)",
@@ -405,6 +393,60 @@ class RouterService:
             )
         self.metrics.queue_time.observe(time.monotonic() - arrival)
         return state
+
+    def _send_work(self, c: Choice, token_ids: tuple[int, ...], sp: SamplingParams, now: float,
+                   generated: tuple[int, ...] = ()) -> None:
+        r = c.route
+        if r.mode == "disaggregated":
+            assert r.decode is not None
+            msg: PrefillRequest | GenerateRequest = PrefillRequest(
+                request_id=c.request_id, token_ids=token_ids, sampling=sp, decode_worker_id=r.decode,
+                decode_kv_address=r.decode_kv_address, kv_transport=r.kv_transport, arrival_time=now,
+                output_token_ids=generated,
+            )
+        else:
+            msg = GenerateRequest(request_id=c.request_id, token_ids=token_ids, sampling=sp, arrival_time=now,
+                                  output_token_ids=generated)
+        self.control.send(r.first, msg)
+
+    def _worker_lost(self, w: WorkerState, message: str) -> int:
+        """Re-dispatch each unfinished choice the lost worker held (prompt + the tokens already
+        streamed, up to --migration-limit times); fail the requests that cannot go on. Returns
+        how many requests failed."""
+        failed: dict[int, RequestState] = {}
+        for state, choice in self.tracker.affected(w.worker_id):
+            if id(state) in failed:
+                continue
+            cause = f"{w.role}_lost_{'before' if choice.first_token_at is None else 'after'}_first_token"
+            if self._migrate(state, choice, cause):
+                continue
+            failed[id(state)] = state
+            log.warning("request %s: %s", state.request_id, message)
+            state.fail(APIError(502, f"{message}; request {state.request_id} cannot finish", code="worker_lost"))
+        return len(failed)
+
+    def _migrate(self, state: RequestState, choice: Choice, cause: str) -> bool:
+        sp = choice.sampling
+        if sp is None or choice.migrations >= self.config.migration_limit or self.draining:
+            return False
+        generated = tuple(choice.token_ids)
+        tokens = state.prompt_ids + generated
+        new_id = f"{choice.base_id}~{choice.migrations + 1}"
+        route = self.registry.pick(new_id, tokens, max(1, sp.max_tokens - len(generated)))
+        if route is None:
+            return False
+        old, old_id = choice.route, choice.request_id
+        self.control.abort(old.workers, (old_id,))  # whoever survives of the old pair lets go
+        choice.migrations += 1
+        choice.request_id = f"{choice.base_id}~{choice.migrations}"
+        self.tracker.rekey(old_id, choice.request_id)
+        self.registry.forget_request(old_id, old.workers)
+        choice.route, choice.decode_started = route, False
+        self._send_work(choice, state.prompt_ids, sp, time.time(), generated)
+        self.metrics.migrations.labels(cause).inc()
+        log.warning("request %s: migrated (%s) after %d tokens: %s -> %s", choice.request_id, cause,
+                    len(generated), "/".join(old.workers), "/".join(route.workers))
+        return True
 
     def _forget(self, state: RequestState) -> None:
         self.tracker.remove(state)

@@ -30,4 +30,5 @@ class ColocatedWorker(Worker):
     def accept(self, work) -> None:
         if not isinstance(work, GenerateRequest):
             raise ValueError(f"a colocated worker takes generate requests, not {type(work).__name__}")
-        self.engine.add_request(work.request_id, list(work.token_ids), work.sampling, work.arrival_time or None)
+        self.engine.add_request(work.request_id, list(work.token_ids), work.sampling, work.arrival_time or None,
+                                output_token_ids=list(work.output_token_ids))

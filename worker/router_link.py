@@ -304,6 +304,8 @@ class WorkerLink:
 
     def _on_work(self, msg: PrefillRequest | GenerateRequest | Abort, sock: zmq.Socket) -> None:
         epoch = getattr(msg, "epoch", "")
+        if epoch and not self.epoch:  # work before any ack: take the router's epoch first
+            self._on_epoch(epoch)
         if epoch and self.epoch and epoch != self.epoch:
             self._bad(f"work of router epoch {epoch}, ours is {self.epoch}")
             return
