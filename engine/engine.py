@@ -166,21 +166,14 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         start = time.time()
         out = self.scheduler.schedule()
-        outputs: list[RequestOutput] = []
-        for r in out.preempted:
-            if r.status is RequestStatus.FINISHED_LENGTH:
-                outputs.append(RequestOutput(r.request_id, [], "length", num_prompt_tokens=r.num_prompt_tokens,
-                                             position=r.num_output_tokens))
-        for r in out.failed:
-            outputs.append(RequestOutput(r.request_id, [], "error", num_prompt_tokens=r.num_prompt_tokens,
-                                         error=r.error, position=r.num_output_tokens))
+        # Requests that ended without a token this step: too big for the cache, refused at admission.
+        ended = [r for r in out.preempted if r.status is RequestStatus.FINISHED_LENGTH] + out.failed
         if out.kv.offloads:
             self.connector.worker.offload(out.kv.offloads, self.runner)
         if out.kv.loads:
-            failures = self.connector.worker.load(out.kv.loads, self.runner)
-            for r in self.scheduler.fail(out, failures):
-                outputs.append(RequestOutput(r.request_id, [], "error", num_prompt_tokens=r.num_prompt_tokens,
-                                             error=r.error, position=r.num_output_tokens))
+            ended += self.scheduler.fail(out, self.connector.worker.load(out.kv.loads, self.runner))
+        outputs = [RequestOutput(r.request_id, [], r.status.value, num_prompt_tokens=r.num_prompt_tokens,
+                                 error=r.error, position=r.num_output_tokens) for r in ended]
         if out.empty:
             return outputs
         samplers, result = self.runner.execute(out.scheduled)
@@ -207,9 +200,8 @@ class Engine:
         """Hand the KV of requests held this step to the connector (after their outputs are out,
         so that a first token never waits for its KV transfer)."""
         saves, self._saves = self._saves, []
-        live = [s for s in saves if s.request.request_id in self.scheduler.held]
-        if live:
-            self.connector.worker.save(live, self.runner)
+        if saves:
+            self.connector.worker.save(saves, self.runner)
 
     def reclaim(self) -> None:
         """Free the blocks the connector has released (called between steps, even when idle)."""

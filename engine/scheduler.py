@@ -60,6 +60,18 @@ class SchedulerOutput:
     def empty(self) -> bool:
         return not self.scheduled
 
+    def drop(self, req: Request) -> int:
+        """Take `req` out of the plan; the number of its tokens that were in it (0: none)."""
+        for i, s in enumerate(self.scheduled):
+            if s.request is req:
+                del self.scheduled[i]
+                if req.is_prefilling:
+                    self.num_prefill_tokens -= s.num_new_tokens
+                else:
+                    self.num_decode_tokens -= s.num_new_tokens
+                return s.num_new_tokens
+        return 0
+
 
 class Step:
     """The step being built: budgets left and what is in it so far."""
@@ -79,16 +91,8 @@ class Step:
             self.out.num_decode_tokens += n
 
     def remove(self, req: Request) -> None:
-        for i, s in enumerate(self.out.scheduled):
-            if s.request is req:
-                del self.out.scheduled[i]
-                self.tokens_left += s.num_new_tokens
-                if req.is_prefilling:
-                    self.out.num_prefill_tokens -= s.num_new_tokens
-                else:
-                    self.out.num_decode_tokens -= s.num_new_tokens
-                self.ids.discard(req.request_id)
-                return
+        self.tokens_left += self.out.drop(req)
+        self.ids.discard(req.request_id)
 
 
 class Scheduler:
@@ -132,18 +136,11 @@ class Scheduler:
     def fail(self, out: SchedulerOutput, failures: dict[str, str]) -> list[Request]:
         """Take requests out of this step's plan and finish them with an error (e.g. their KV
         could not be loaded); returns them."""
-        failed = []
-        for item in list(out.scheduled):
-            req, n = item
-            if req.request_id in failures:
-                out.scheduled.remove(item)
-                if req.is_prefilling:
-                    out.num_prefill_tokens -= n
-                else:
-                    out.num_decode_tokens -= n
-                req.error = failures[req.request_id]
-                self._finish(req, RequestStatus.FINISHED_ERROR, out.kv)
-                failed.append(req)
+        failed = [req for req, _ in out.scheduled if req.request_id in failures]
+        for req in failed:
+            out.drop(req)
+            req.error = failures[req.request_id]
+            self._finish(req, RequestStatus.FINISHED_ERROR, out.kv)
         return failed
 
     def reclaim(self) -> None:
@@ -167,7 +164,6 @@ class Scheduler:
 
     # --- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        self.reclaim()
         step = Step(self.config.max_num_batched_tokens)
         self.policy.schedule(self, step)
         return step.out

@@ -83,10 +83,8 @@ class PrefillWorker(Worker):
 
     def fence(self, fence: Fence) -> None:
         """Drop the old router's requests; KV sent from now on carries the new epoch."""
-        super().fence(fence)
+        super().fence(fence)  # aborts every request, which forgets their hand-offs too
         self.handoff.epoch = fence.epoch
-        for rid in list(self.handoff.targets):
-            self.handoff.forget(rid)
 
     def kv_counters(self) -> tuple[int, int, float]:
         return self.handoff.bytes_sent, 0, self.handoff.transfer_seconds
