@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import PROTOCOL_VERSION, Message
 
 _encoder = msgspec.msgpack.Encoder()
@@ -32,3 +33,12 @@ def decode(data: bytes | memoryview) -> Message:
     if msg.version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {msg.version} is not supported (this is {PROTOCOL_VERSION})")
     return msg
+
+
+def open_message(auth: FrameAuth, label: bytes, frames) -> Message:
+    """The one message of a received `[auth frame, message frame]` on channel `label`.
+    AuthError when it does not authenticate; ProtocolError when it is not one valid message."""
+    body = auth.open(label, frames)
+    if len(body) != 1:
+        raise ProtocolError(f"expected 1 message frame, got {len(body)}")
+    return decode(body[0])

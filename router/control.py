@@ -32,7 +32,7 @@ from prometheus_client import Counter
 
 from pdserve.config.log_limits import RateLimitedLog
 from pdserve.protocol.auth import CONTROL_TO_ROUTER, CONTROL_TO_WORKER, AuthError, FrameAuth
-from pdserve.protocol.codec import ProtocolError, decode, encode
+from pdserve.protocol.codec import ProtocolError, encode, open_message
 from pdserve.protocol.messages import (
     Abort,
     GenerateRequest,
@@ -71,6 +71,7 @@ class ControlServer:
         metrics: RouterMetrics,
         heartbeat_timeout: float = 3.0,
         *,
+        on_lost: Callable[[WorkerState, str], int],
         auth: FrameAuth | None = None,
         model_name: str | None = None,
     ) -> None:
@@ -92,9 +93,7 @@ class ControlServer:
         self.inbox_dropped = 0
         self.bound_address = ""
         self.alive = False
-        # What a lost worker's requests come to (the service migrates them; by default they fail).
-        self.on_lost: Callable[[WorkerState, str], int] = lambda w, message: self.tracker.fail_worker(
-            w.worker_id, message)
+        self.on_lost = on_lost  # what a lost worker's requests come to (migrated or failed)
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._out: queue.Queue[tuple[bytes, bytes]] = queue.Queue(MAX_OUTBOX)
@@ -228,15 +227,11 @@ class ControlServer:
         """Verify and decode one frame on the I/O thread; hand a valid message to the loop."""
         ident = frames[0]
         try:
-            body = self.auth.open(CONTROL_TO_ROUTER, frames[1:])
+            msg = open_message(self.auth, CONTROL_TO_ROUTER, frames[1:])
         except AuthError as exc:
             self.rejected.labels(exc.reason).inc()
             _log_bad("control frame from %r refused: %s", ident[:64], exc, key=f"auth-{exc.reason}")
             return
-        if len(body) != 1:
-            return self._bad(ident, f"expected 1 message frame, got {len(body)}")
-        try:
-            msg = decode(body[0])
         except ProtocolError as exc:
             return self._bad(ident, str(exc))
         if not isinstance(msg, Register | Heartbeat | TokenEvents | Goodbye):

@@ -364,21 +364,5 @@ class RequestTracker:
         if entry is not None:
             self._subs[new_id] = entry
 
-    def fail_worker(self, worker_id: str, message: str) -> int:
-        """Fail every unfinished request that touched `worker_id`; returns how many."""
-        hit: dict[int, RequestState] = {}
-        for state, index in self._subs.values():
-            c = state.choices[index]
-            if not c.finished and worker_id in c.route.workers:
-                hit[id(state)] = state
-        for state in hit.values():
-            log.warning("request %s: %s", state.request_id, message)
-            state.fail(
-                APIError(
-                    502, f"{message}; request {state.request_id} cannot finish", code="worker_lost"
-                )
-            )
-        return len(hit)
-
     def all(self) -> list[RequestState]:
         return list({id(s): s for s, _ in self._subs.values()}.values())

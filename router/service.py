@@ -90,8 +90,8 @@ class RouterService:
             self.tracker,
             self.metrics,
             config.heartbeat_timeout,
+            on_lost=self._worker_lost,
         )
-        self.control.on_lost = self._worker_lost
         self.inflight = 0
         self.draining = False
         self._api_key = config.api_key.encode() if config.api_key else None

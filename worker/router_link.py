@@ -29,7 +29,7 @@ import zmq
 
 from pdserve.config.log_limits import RateLimitedLog
 from pdserve.protocol.auth import CONTROL_TO_ROUTER, CONTROL_TO_WORKER, AuthError, FrameAuth
-from pdserve.protocol.codec import ProtocolError, decode, encode
+from pdserve.protocol.codec import ProtocolError, encode, open_message
 from pdserve.protocol.messages import (
     Abort,
     GenerateRequest,
@@ -278,16 +278,11 @@ class WorkerLink:
             except zmq.Again:
                 return
             try:
-                body = self.auth.open(CONTROL_TO_WORKER, frames)
+                msg = open_message(self.auth, CONTROL_TO_WORKER, frames)
             except AuthError as exc:
                 self.rejected += 1
                 _log_bad("worker %s: control frame refused: %s", self.worker_id, exc, key=f"auth-{exc.reason}")
                 continue
-            if len(body) != 1:
-                self._bad(f"expected 1 frame, got {len(body)}")
-                continue
-            try:
-                msg = decode(body[0])
             except ProtocolError as exc:
                 self._bad(str(exc))
                 continue

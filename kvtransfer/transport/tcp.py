@@ -47,7 +47,7 @@ from pdserve.kvtransfer.transport.base import (
     drain,
 )
 from pdserve.protocol.auth import KV_TO_DECODE, KV_TO_PREFILL, AuthError, FrameAuth
-from pdserve.protocol.codec import ProtocolError, decode, encode
+from pdserve.protocol.codec import ProtocolError, decode, encode, open_message
 from pdserve.protocol.messages import KVAck, KVTransfer, ModelFingerprint
 
 log = logging.getLogger(__name__)
@@ -224,21 +224,17 @@ class ZmqKVSender(KVSender):
                 return
             self._last_used[address] = time.monotonic()
             try:
-                body = self.auth.open(KV_TO_PREFILL, [p.buffer for p in parts])
+                msg = open_message(self.auth, KV_TO_PREFILL, [p.buffer for p in parts])
             except AuthError as exc:
                 self._loop.counters["auth_rejected"] += 1
                 self._loop.counters[f"auth_{exc.reason}"] += 1
                 _log_bad("KV sender: refused a message from %s: %s", address, exc, key=f"auth-{exc.reason}")
                 continue
-            try:
-                if len(body) != 1:
-                    raise ProtocolError(f"an ack is one frame, got {len(body)}")
-                msg = decode(body[0])
-                if not isinstance(msg, KVAck):
-                    raise ProtocolError(f"unexpected {type(msg).__name__} on the KV channel")
             except ProtocolError as exc:
-                self._loop.counters["dropped"] += 1
-                _log_bad("KV sender: dropped a message from %s: %s", address, exc, key="bad-ack")
+                self._drop_reply(address, str(exc))
+                continue
+            if not isinstance(msg, KVAck):
+                self._drop_reply(address, f"unexpected {type(msg).__name__} on the KV channel")
                 continue
             f = self._inflight.get(msg.request_id)
             if f is None or f.address != address:
@@ -274,6 +270,10 @@ class ZmqKVSender(KVSender):
         if idle_wait is not None:
             waits.append(idle_wait)
         return min(waits) if waits else None
+
+    def _drop_reply(self, address: str, why: str) -> None:
+        self._loop.counters["dropped"] += 1
+        _log_bad("KV sender: dropped a message from %s: %s", address, why, key="bad-ack")
 
     def _done(self, f: _InFlight) -> None:
         if f.tracker.done:
