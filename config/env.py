@@ -24,3 +24,11 @@ def env_default(option: str, default: Any, conv: Callable[[str], Any] | None = N
         return conv(raw)
     except ValueError as e:
         raise SystemExit(f"{name}={raw!r} is not valid for --{option.replace('_', '-').lower()}: {e}") from None
+
+
+def add_env_argument(group: Any, flag: str, default: Any, help: str, **kw: Any) -> None:
+    """`group.add_argument(flag, ...)` whose default is $PDSERVE_<FLAG> when set, else `default`;
+    an int or float default gives the flag its type unless `type=` says otherwise."""
+    if "type" not in kw and isinstance(default, int | float) and not isinstance(default, bool):
+        kw["type"] = type(default)
+    group.add_argument(flag, default=env_default(flag.removeprefix("--"), default, kw.get("type")), help=help, **kw)

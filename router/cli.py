@@ -8,94 +8,41 @@ SIGTERM: readiness turns 503 and no request is admitted, in-flight ones may fini
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 from typing import Any
 
 from pdserve.config.engine import ConfigError
-from pdserve.config.env import env_default
+from pdserve.config.env import add_env_argument, env_default
 from pdserve.config.worker import add_secret_arguments
 from pdserve.router.registry import KV_TRANSPORT_CHOICES
 
 log = logging.getLogger(__name__)
 
 
-
-
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("router")
-    g.add_argument("--host", default=env_default("host", "127.0.0.1"), help="HTTP address to listen on")
-    g.add_argument("--port", type=int, default=env_default("port", 8000), help="HTTP port")
-    g.add_argument(
-        "--control-address",
-        default=env_default("control-address", "tcp://127.0.0.1:5550"),
-        help="zmq address the workers' control connections reach (the router binds it)",
-    )
-    g.add_argument(
-        "--model",
-        default=env_default("model", "default"),
-        help="tokenizer source: 'default', a .gguf file or a Hugging Face directory (no weights are read)",
-    )
-    g.add_argument(
-        "--served-model-name",
-        default=env_default("served-model-name", None),
-        help="the model name clients send (default: the model's name)",
-    )
-    g.add_argument(
-        "--api-key",
-        default=env_default("api-key", None),
-        help="require `Authorization: Bearer <key>` on /v1/* (env PDSERVE_API_KEY)",
-    )
-    g.add_argument(
-        "--max-inflight",
-        type=int,
-        default=env_default("max-inflight", 1024),
-        help="HTTP requests in flight before answering 429",
-    )
-    g.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=env_default("max-body-bytes", 4 * 1024 * 1024),
-        help="largest request body accepted (413 above)",
-    )
-    g.add_argument(
-        "--max-model-len",
-        type=int,
-        default=env_default("max-model-len", 0) or None,
-        help="context length cap (default: the smallest max_model_len the workers register)",
-    )
-    g.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=env_default("heartbeat-timeout", 3.0),
-        help="seconds without a heartbeat before a worker is out of rotation",
-    )
-    g.add_argument(
-        "--kv-transport",
-        default=env_default("kv-transport", "auto"),
-        choices=KV_TRANSPORT_CHOICES,
-        help="KV transport between prefill and decode: auto picks shm / cuda_ipc on one host",
-    )
-    g.add_argument(
-        "--request-timeout",
-        type=float,
-        default=env_default("request-timeout", 60.0),
-        help="seconds without any token before a request fails",
-    )
-    g.add_argument(
-        "--migration-limit",
-        type=int,
-        default=env_default("migration-limit", 3),
-        help="times one request may be re-dispatched (prompt + tokens so far) after its worker is lost; 0: fail it",
-    )
-    g.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=env_default("drain-timeout", 30.0),
-        help="on SIGTERM, how long in-flight requests may still run",
-    )
+    flag = functools.partial(add_env_argument, g)
+    flag("--host", "127.0.0.1", "HTTP address to listen on")
+    flag("--port", 8000, "HTTP port")
+    flag("--control-address", "tcp://127.0.0.1:5550",
+         "zmq address the workers' control connections reach (the router binds it)")
+    flag("--model", "default",
+         "tokenizer source: 'default', a .gguf file or a Hugging Face directory (no weights are read)")
+    flag("--served-model-name", None, "the model name clients send (default: the model's name)")
+    flag("--api-key", None, "require `Authorization: Bearer <key>` on /v1/* (env PDSERVE_API_KEY)")
+    flag("--max-inflight", 1024, "HTTP requests in flight before answering 429")
+    flag("--max-body-bytes", 4 * 1024 * 1024, "largest request body accepted (413 above)")
+    g.add_argument("--max-model-len", type=int, default=env_default("max-model-len", 0) or None,
+                   help="context length cap (default: the smallest max_model_len the workers register)")
+    flag("--heartbeat-timeout", 3.0, "seconds without a heartbeat before a worker is out of rotation")
+    flag("--kv-transport", "auto", "KV transport between prefill and decode: auto picks shm / cuda_ipc on one host",
+         choices=KV_TRANSPORT_CHOICES)
+    flag("--request-timeout", 60.0, "seconds without any token before a request fails")
+    flag("--migration-limit", 3,
+         "times one request may be re-dispatched (prompt + tokens so far) after its worker is lost; 0: fail it")
+    flag("--drain-timeout", 30.0, "on SIGTERM, how long in-flight requests may still run")
     add_secret_arguments(g)  # --secret-file / --insecure: the control plane's authentication
     # SUPPRESS: under `pdserve router` the top-level --log-level keeps its value.
     g.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR")
@@ -103,37 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_edge_arguments(p: argparse.ArgumentParser) -> None:
     """The HTTP edge's limits (router/http_server.py; docs/http_edge.md)."""
-    g = p.add_argument_group("HTTP edge")
-    g.add_argument(
-        "--header-timeout",
-        type=float,
-        default=env_default("header-timeout", 10.0),
-        help="seconds a client has to send its request line and headers (408 after)",
-    )
-    g.add_argument(
-        "--body-timeout",
-        type=float,
-        default=env_default("body-timeout", 30.0),
-        help="seconds a client has to send its whole body once the headers are in (408 after)",
-    )
-    g.add_argument(
-        "--max-connections",
-        type=int,
-        default=env_default("max-connections", 2048),
-        help="open HTTP connections; one more is answered 503 and closed",
-    )
-    g.add_argument(
-        "--max-header-bytes",
-        type=int,
-        default=env_default("max-header-bytes", 16 * 1024),
-        help="largest request line + headers accepted (431 above)",
-    )
-    g.add_argument(
-        "--tokenize-threads",
-        type=int,
-        default=env_default("tokenize-threads", 1),
-        help="threads that template and tokenize big prompts off the event loop",
-    )
+    flag = functools.partial(add_env_argument, p.add_argument_group("HTTP edge"))
+    flag("--header-timeout", 10.0, "seconds a client has to send its request line and headers (408 after)")
+    flag("--body-timeout", 30.0, "seconds a client has to send its whole body once the headers are in (408 after)")
+    flag("--max-connections", 2048, "open HTTP connections; one more is answered 503 and closed")
+    flag("--max-header-bytes", 16 * 1024, "largest request line + headers accepted (431 above)")
+    flag("--tokenize-threads", 1, "threads that template and tokenize big prompts off the event loop")
 
 
 def edge_limits_from_args(args: argparse.Namespace):
