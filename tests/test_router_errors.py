@@ -202,6 +202,7 @@ def test_over_max_inflight_is_429_with_retry_after():
             r = c.post("/v1/chat/completions", json=OK_CHAT)
             envelope(r, 429, code="too_many_requests")
             assert r.headers["retry-after"] == "1"
+        assert w.wait_for(lambda: w.requests(), timeout=3)  # work leaves on the control I/O thread
         rid = w.requests()[0].request_id
         assert w.wait_for(lambda: rid in w.aborted, timeout=3)
         w.first_delay = 0
