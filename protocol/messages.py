@@ -24,10 +24,16 @@ import msgspec
 
 from pdserve.protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 4  # 4: work carries output_token_ids (migration); 3: router epochs (RegisterAck, work, KVTransfer), HeartbeatAck; 2: Register lost health_address
+PROTOCOL_VERSION = 5  # 5: retryable error causes, trace context; 4: work carries output_token_ids (migration); 3: router epochs (RegisterAck, work, KVTransfer), HeartbeatAck; 2: Register lost health_address
 
 Role = Literal["prefill", "decode", "colocated"]
 FinishReason = Literal["stop", "length", "abort", "error"]
+# Why a worker gave a request up, when another worker could still serve it: the router then
+# re-dispatches the request (prompt + tokens so far) instead of failing it.
+#   refused          the worker would not take it (draining, limits, a transport it lacks)
+#   kv_failed        the KV hand-off failed (checksum or fingerprint mismatch, NACK, send error)
+#   kv_lease_expired the decode worker could not load the KV before the sender's lease ran out
+RetryCause = Literal["", "refused", "kv_failed", "kv_lease_expired"]
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"):
@@ -101,6 +107,9 @@ class TokenEvent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # token and the decode worker's tokens travel on different connections; this lets the
     # router put them back in order.
     position: int = -1
+    # With `error`: set when the failure is this worker's alone and the request may be retried
+    # elsewhere ("" : it failed for good).
+    retry: RetryCause = ""
 
 
 class TokenEvents(_Msg, tag="tokens", frozen=True):
@@ -143,6 +152,8 @@ class PrefillRequest(_Msg, tag="prefill", frozen=True):
     # Tokens the request already generated on a worker that was lost: recomputed here (through
     # the prefix cache where it holds them), and generation goes on from the next position.
     output_token_ids: tuple[int, ...] = ()
+    # W3C `traceparent` of the router span this work belongs to ("" : not traced).
+    trace_context: str = ""
 
 
 class GenerateRequest(_Msg, tag="generate", frozen=True):
@@ -154,6 +165,8 @@ class GenerateRequest(_Msg, tag="generate", frozen=True):
     arrival_time: float = 0.0
     epoch: str = ""
     output_token_ids: tuple[int, ...] = ()  # as in PrefillRequest
+    # W3C `traceparent` of the router span this work belongs to ("" : not traced).
+    trace_context: str = ""
 
 
 class Abort(_Msg, tag="abort", frozen=True):
@@ -186,6 +199,7 @@ class KVTransfer(_Msg, tag="kv", frozen=True):
     lease_deadline: float = 0.0
     # The router epoch the prefill worker took the request under: a decode worker NACKs another.
     epoch: str = ""
+    trace_context: str = ""  # the prefill worker's "kv sent" span, parent of the decode side's
 
 
 class KVAck(_Msg, tag="kv_ack", frozen=True):

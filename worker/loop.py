@@ -30,6 +30,7 @@ from pdserve.protocol.messages import (
     ModelFingerprint,
     PrefillRequest,
     Register,
+    RetryCause,
     TokenEvent,
     TokenEvents,
 )
@@ -53,8 +54,9 @@ def model_fingerprint(engine_config: EngineConfig, loaded: LoadedModel) -> Model
     )
 
 
-def error_event(request_id: str, message: str, position: int = -1) -> TokenEvent:
-    return TokenEvent(request_id=request_id, token_ids=(), finish_reason="error", error=message, position=position)
+def error_event(request_id: str, message: str, position: int = -1, retry: RetryCause = "") -> TokenEvent:
+    return TokenEvent(request_id=request_id, token_ids=(), finish_reason="error", error=message, position=position,
+                      retry=retry)
 
 
 class Worker(ABC):
