@@ -5,7 +5,11 @@ KV arrival:  ReceivedKV -> refused (bad checksum / fingerprint / shape) -> NACK 
                         -> its request queued, the KV kept by the DecodeConnector
                            -> admitted: blocks allocated, KV loaded before the step runs -> ACK
                            -> no room before the sender's lease runs out -> NACK + error event
-The engine runs the decode-only policy: every step is one token per running request.
+The error events carry a retry cause (kv_failed, kv_lease_expired): the router sends the request
+to another pair, so a bad transfer costs a recompute, never the request nor an answer from bad KV.
+The engine runs the decode-only policy: every step is one token per running request. When no
+prefill worker is left, the router sends whole requests here (GenerateRequest) and the same
+policy computes their prompts in chunks, as it does a recompute.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pdserve.kvtransfer.connector import DecodeConnector
 from pdserve.kvtransfer.transport import KVReceiver, ReceivedKV, make_receiver
 from pdserve.model.weights import LoadedModel, load_model
 from pdserve.protocol.auth import FrameAuth
-from pdserve.protocol.messages import ModelFingerprint
+from pdserve.protocol.messages import GenerateRequest, ModelFingerprint
 from pdserve.worker.loop import Worker, error_event, model_fingerprint
 
 log = logging.getLogger(__name__)
@@ -61,7 +65,13 @@ class DecodeWorker(Worker):
         return f"tcp://{self.advertise_host}:{port}"
 
     def accept(self, work) -> None:
-        raise ValueError(f"a disaggregated decode worker takes KV transfers, not {type(work).__name__}")
+        """A whole request, prompt included: the router's fallback when no prefill worker is
+        left. The decode-only policy computes the prompt in chunks like a recompute."""
+        if not isinstance(work, GenerateRequest):
+            raise ValueError(f"a decode worker takes KV transfers and generate requests, not {type(work).__name__}")
+        log.info("request %s: no prefill worker; prefilling %d tokens here", work.request_id, len(work.token_ids))
+        self.engine.add_request(work.request_id, list(work.token_ids), work.sampling, work.arrival_time or None,
+                                output_token_ids=list(work.output_token_ids))
 
     def abort(self, request_ids) -> None:
         self.engine.abort(request_ids)  # the connector NACKs a transfer its request had not loaded
@@ -81,9 +91,9 @@ class DecodeWorker(Worker):
                 self.kv_in.arrived.pop(rkv.meta.request_id, None)
                 self._refuse(rkv, f"internal error: {exc!r}")
         for rid in self.kv_in.expired():
-            self.kv_in.give_up(rid, "no KV space on the decode worker")
+            self.kv_in.give_up(rid, "lease expired: no KV space on the decode worker in time")
             self.engine.abort([rid])
-            self.emit(error_event(rid, "decode worker out of KV space"))
+            self.emit(error_event(rid, "decode worker out of KV space", retry="kv_lease_expired"))
         self._send_acks()
 
     def _arrived(self, rkv: ReceivedKV) -> None:
@@ -122,7 +132,7 @@ class DecodeWorker(Worker):
         log.warning("request %s: KV refused: %s", rid, reason)
         self.kv_refused += 1
         self.receiver.ack(rid, False, reason)
-        self.emit(error_event(rid, f"KV transfer refused: {reason}"))
+        self.emit(error_event(rid, f"KV transfer refused: {reason}", retry="kv_failed"))
 
     def _send_acks(self) -> None:
         for result in self.kv_in.take_results():

@@ -50,6 +50,9 @@ class RequestOutput:
     position: int = 0  # index in the request's output of new_token_ids[0]
     # The request's work here is done but it goes on elsewhere: the connector holds its KV.
     kv_held: bool = False
+    # With `error`: the failure is this engine's alone (its KV could not be loaded), another
+    # worker may serve the request (a protocol RetryCause; "" : failed for good).
+    retry: str = ""
 
     @property
     def finished(self) -> bool:
@@ -170,10 +173,14 @@ class Engine:
         ended = [r for r in out.preempted if r.status is RequestStatus.FINISHED_LENGTH] + out.failed
         if out.kv.offloads:
             self.connector.worker.offload(out.kv.offloads, self.runner)
+        load_failed: set[str] = set()
         if out.kv.loads:
-            ended += self.scheduler.fail(out, self.connector.worker.load(out.kv.loads, self.runner))
+            failed = self.scheduler.fail(out, self.connector.worker.load(out.kv.loads, self.runner))
+            load_failed = {r.request_id for r in failed}
+            ended += failed
         outputs = [RequestOutput(r.request_id, [], r.status.value, num_prompt_tokens=r.num_prompt_tokens,
-                                 error=r.error, position=r.num_output_tokens) for r in ended]
+                                 error=r.error, position=r.num_output_tokens,
+                                 retry="kv_failed" if r.request_id in load_failed else "") for r in ended]
         if out.empty:
             return outputs
         samplers, result = self.runner.execute(out.scheduled)

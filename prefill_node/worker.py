@@ -74,7 +74,8 @@ class PrefillWorker(Worker):
         for result in self.handoff.poll_acks():
             if not result.ok:
                 log.warning("request %s: KV hand-off failed: %s", result.request_id, result.reason)
-                self.emit(error_event(result.request_id, f"KV transfer failed: {result.reason}"))
+                cause = "kv_lease_expired" if "lease" in result.reason else "kv_failed"
+                self.emit(error_event(result.request_id, f"KV transfer failed: {result.reason}", retry=cause))
 
     def abort(self, request_ids) -> None:
         self.engine.abort(request_ids)

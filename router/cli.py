@@ -41,7 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          choices=KV_TRANSPORT_CHOICES)
     flag("--request-timeout", 60.0, "seconds without any token before a request fails")
     flag("--migration-limit", 3,
-         "times one request may be re-dispatched (prompt + tokens so far) after its worker is lost; 0: fail it")
+         "times one request may be re-dispatched (prompt + tokens so far) after its worker is lost, refused it "
+         "or failed its KV hand-off; 0: fail it")
+    flag("--prefill-fallback", True,
+         "with no prefill worker left, a decode worker prefills a request itself (conditional disaggregation)",
+         action=argparse.BooleanOptionalAction)
     flag("--drain-timeout", 30.0, "on SIGTERM, how long in-flight requests may still run")
     add_secret_arguments(g)  # --secret-file / --insecure: the control plane's authentication
     # SUPPRESS: under `pdserve router` the top-level --log-level keeps its value.
@@ -98,6 +102,7 @@ def config_from_args(args: argparse.Namespace, model_name: str):
         drain_timeout=args.drain_timeout,
         tokenize_threads=getattr(args, "tokenize_threads", 1),
         migration_limit=args.migration_limit,
+        prefill_fallback=args.prefill_fallback,
     )
 
 

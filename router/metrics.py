@@ -72,7 +72,7 @@ class RouterMetrics:
         )
         self.workers = Gauge("pdserve_router_workers", "Live workers by role", ["role"], registry=r)
         self.migrations = Counter(
-            "pdserve_router_migrations", "Requests re-dispatched after their worker was lost, by cause",
+            "pdserve_router_migrations", "Requests re-dispatched (migrations and retries): their worker was lost, refused them or failed the KV hand-off; by cause",
             ["cause"], registry=r,
         )
         self.kv_blocks_used = Gauge(

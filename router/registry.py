@@ -12,7 +12,7 @@ import logging
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -112,11 +112,15 @@ class Registry:
         self,
         hasher: Hasher | None = None,
         kv_transport: str = "auto",
+        prefill_fallback: bool = True,
     ) -> None:
         if kv_transport not in KV_TRANSPORT_CHOICES:
             raise ValueError(f"kv_transport must be one of {KV_TRANSPORT_CHOICES}, got {kv_transport!r}")
         self.hasher = hasher
         self.kv_transport = kv_transport
+        # With no prefill worker left (or none of the decode's model), a decode worker serves the
+        # whole request itself: conditional disaggregation as the fallback, not an outage.
+        self.prefill_fallback = prefill_fallback
         self.workers: dict[str, WorkerState] = {}
 
     # --- membership ----------------------------------------------------------------------
@@ -189,12 +193,12 @@ class Registry:
 
     # --- capacity ------------------------------------------------------------------------
 
-    def _usable(self, role: str) -> list[WorkerState]:
-        return [w for w in self.workers.values() if w.role == role and not w.draining]
+    def _usable(self, role: str, avoid: Collection[str] = ()) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.role == role and not w.draining and w.worker_id not in avoid]
 
     def has_path(self) -> bool:
         return bool(self._usable("colocated")) or bool(
-            self._usable("prefill") and self._usable("decode")
+            self._usable("decode") and (self._usable("prefill") or self.prefill_fallback)
         )
 
     def max_model_len(self) -> int | None:
@@ -204,32 +208,42 @@ class Registry:
 
     # --- picking -------------------------------------------------------------------------
 
-    def pick(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> Route | None:
-        """Choose the workers for one request and charge them its load; None when no path."""
+    def pick(self, request_id: str, token_ids: Sequence[int], max_tokens: int,
+             avoid: Collection[str] = ()) -> Route | None:
+        """Choose the workers for one request and charge them its load; None when no path.
+
+        `avoid`: workers that just failed this request; they are used only when no route
+        without them exists (a retry on the same worker beats no retry)."""
         hashes = _Hashes(self.hasher, token_ids)
-        prefills, decodes = self._usable("prefill"), self._usable("decode")
+        route = self._route(hashes, max_tokens, set(avoid)) if avoid else None
+        route = route or self._route(hashes, max_tokens, set())
+        if route is not None:
+            self._charge(request_id, route, hashes, max_tokens)
+        return route
+
+    def _route(self, hashes: _Hashes, max_tokens: int, avoid: set[str]) -> Route | None:
+        prefills, decodes = self._usable("prefill", avoid), self._usable("decode", avoid)
         if prefills and decodes:
             route = self._pick_disaggregated(prefills, decodes, hashes, max_tokens)
             if route is not None:
-                self._charge(request_id, route, hashes, max_tokens)
                 return route
-        colocated = self._usable("colocated")
+        colocated = self._usable("colocated", avoid)
+        if not colocated and self.prefill_fallback and decodes:
+            colocated = decodes  # no prefill path: a decode worker prefills the request itself
         if not colocated:
             return None
 
         def load(w: WorkerState) -> tuple[int, int, int]:
             cached = w.cached_prefix_blocks(hashes.get(w.block_size)) * w.block_size
             return (
-                w.queued_tokens + len(token_ids) - cached,
+                w.queued_tokens + len(hashes.token_ids) - cached,
                 w.running + w.waiting + w.pending_requests,
                 -w.free_now,
             )
 
         best = _least(colocated, load)
         cached = best.cached_prefix_blocks(hashes.get(best.block_size)) * best.block_size
-        route = Route("colocated", best.worker_id, cached_prefix_tokens=cached)
-        self._charge(request_id, route, hashes, max_tokens)
-        return route
+        return Route("colocated", best.worker_id, cached_prefix_tokens=cached)
 
     def _pick_disaggregated(
         self,

@@ -27,6 +27,8 @@ from pdserve.router.registry import Route
 log = logging.getLogger(__name__)
 
 AbortFn = Callable[[Sequence[str], Sequence[str]], None]  # (worker_ids, request_ids)
+# (request, choice, the worker that gave it up, the event's retry cause) -> re-dispatched?
+RetryFn = Callable[["RequestState", "Choice", str, str], bool]
 
 
 class Failure(NamedTuple):
@@ -121,6 +123,16 @@ class Choice:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def redispatch(self, route: Route) -> tuple[str, Route]:
+        """Give the choice its next sub-request id on `route`; returns the old (id, route).
+        Events of the old id still on their way are dropped from now on."""
+        old = self.request_id, self.route
+        self.migrations += 1
+        self.request_id = f"{self.base_id}~{self.migrations}"
+        self.route, self.decode_started = route, False
+        self._early.clear()  # ahead-of-order tokens of the old dispatch are not ours any more
+        return old
+
     def in_order(self, ev: TokenEvent) -> list[TokenEvent]:
         """Events ready to apply, by output position (events without one pass straight on)."""
         if ev.position < 0:
@@ -200,6 +212,7 @@ class RequestState:
         send_abort: AbortFn,
         on_close: Callable[[RequestState], None],
         arrival: float,
+        retry: RetryFn | None = None,
     ) -> None:
         self.request_id = request_id
         self.choices = choices
@@ -212,6 +225,7 @@ class RequestState:
         self.queue: asyncio.Queue[tuple[int, str, TokenEvent | Failure]] = asyncio.Queue()
         self._send_abort = send_abort
         self._on_close = on_close
+        self._retry = retry
         self.closed = False
         self.status = "200"
 
@@ -237,10 +251,13 @@ class RequestState:
             if isinstance(item, Failure):
                 raise item.error
             choice = self.choices[index]
-            if choice.finished:
-                continue  # late events after the router stopped the choice (stop string)
+            if choice.finished or item.request_id != choice.request_id:
+                continue  # late events: the router stopped the choice, or re-dispatched it
             choice.last_event_at = time.monotonic()
             for ev in choice.in_order(item):
+                if ev.error is not None and ev.retry and self._retry is not None \
+                        and self._retry(self, choice, worker_id, ev.retry):
+                    break  # re-dispatched: what was queued behind it belongs to the old id
                 if ev.error is not None or ev.finish_reason in ("abort", "error"):
                     reason = ev.error or f"the worker ended the request ({ev.finish_reason})"
                     raise APIError(

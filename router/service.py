@@ -52,7 +52,8 @@ class RouterConfig:
     max_model_len: int | None = None
     drain_timeout: float = 30.0
     tokenize_threads: int = 2
-    migration_limit: int = 3  # re-dispatches of one choice after its worker was lost
+    migration_limit: int = 3  # re-dispatches of one choice: its worker was lost or gave it up
+    prefill_fallback: bool = True  # no prefill worker left: a decode worker serves the request whole
 
 
 class Slot:
@@ -82,7 +83,7 @@ class RouterService:
         self.tokenizer = tokenizer
         self.detokenizer_factory = detokenizer_factory
         self.metrics = RouterMetrics()
-        self.registry = Registry(hasher, config.kv_transport)
+        self.registry = Registry(hasher, config.kv_transport, config.prefill_fallback)
         self.tracker = RequestTracker()
         self.control = ControlServer(
             config.control_address,
@@ -374,6 +375,7 @@ class RouterService:
             send_abort=self.control.abort,
             on_close=self._forget,
             arrival=arrival,
+            retry=self._retry,
         )
         state.prompt_ids = token_ids
         self.tracker.add(state)
@@ -418,33 +420,38 @@ class RouterService:
             if id(state) in failed:
                 continue
             cause = f"{w.role}_lost_{'before' if choice.first_token_at is None else 'after'}_first_token"
-            if self._migrate(state, choice, cause):
+            if self._migrate(state, choice, cause, avoid=(w.worker_id,)):
                 continue
             failed[id(state)] = state
             log.warning("request %s: %s", state.request_id, message)
             state.fail(APIError(502, f"{message}; request {state.request_id} cannot finish", code="worker_lost"))
         return len(failed)
 
-    def _migrate(self, state: RequestState, choice: Choice, cause: str) -> bool:
+    def _retry(self, state: RequestState, choice: Choice, worker_id: str, cause: str) -> bool:
+        """A worker gave the choice up for a reason of its own: it refused the work, or the KV
+        hand-off failed or outlived its lease. Send it elsewhere, avoiding (where another path
+        exists) the refusing worker, or the decode worker of the failed hand-off: the prefill
+        side recomputes the prompt from its prefix cache, so keeping it costs little."""
+        culprit = choice.route.decode if cause.startswith("kv_") and choice.route.decode else worker_id
+        return self._migrate(state, choice, cause, avoid=(culprit,))
+
+    def _migrate(self, state: RequestState, choice: Choice, cause: str, avoid: Sequence[str] = ()) -> bool:
         sp = choice.sampling
         if sp is None or choice.migrations >= self.config.migration_limit or self.draining:
             return False
         generated = tuple(choice.token_ids)
         tokens = state.prompt_ids + generated
         new_id = f"{choice.base_id}~{choice.migrations + 1}"
-        route = self.registry.pick(new_id, tokens, max(1, sp.max_tokens - len(generated)))
+        route = self.registry.pick(new_id, tokens, max(1, sp.max_tokens - len(generated)), avoid)
         if route is None:
             return False
-        old, old_id = choice.route, choice.request_id
+        old_id, old = choice.redispatch(route)
         self.control.abort(old.workers, (old_id,))  # whoever survives of the old pair lets go
-        choice.migrations += 1
-        choice.request_id = f"{choice.base_id}~{choice.migrations}"
         self.tracker.rekey(old_id, choice.request_id)
         self.registry.forget_request(old_id, old.workers)
-        choice.route, choice.decode_started = route, False
         self._send_work(choice, state.prompt_ids, sp, time.time(), generated)
         self.metrics.migrations.labels(cause).inc()
-        log.warning("request %s: migrated (%s) after %d tokens: %s -> %s", choice.request_id, cause,
+        log.warning("request %s: re-dispatched (%s) after %d tokens: %s -> %s", choice.request_id, cause,
                     len(generated), "/".join(old.workers), "/".join(route.workers))
         return True
 

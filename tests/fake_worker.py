@@ -156,6 +156,9 @@ class FakeWorker:
     aborted: set[str] = field(default_factory=set)
     fences: list = field(default_factory=list)
     auth: FrameAuth | None = None
+    refuse: int = 0  # the next `refuse` requests get a retryable refusal with cause `refuse_cause`
+    refuse_cause: str = "refused"
+    kv_refuse: int = 0  # decode: the next `kv_refuse` KV hand-offs fail (retry cause kv_failed)
 
     def __post_init__(self) -> None:
         self._cond = threading.Condition()
@@ -245,7 +248,10 @@ class FakeWorker:
                 for rid in msg.request_ids:
                     self._active.pop(rid, None)
             self._cond.notify_all()
-        if isinstance(msg, GenerateRequest | PrefillRequest):
+        if isinstance(msg, GenerateRequest | PrefillRequest) and self.refuse > 0:
+            self.refuse -= 1
+            self._fail(msg.request_id, "refused (test)", self.refuse_cause)
+        elif isinstance(msg, GenerateRequest | PrefillRequest):
             tokens, finish = self._plan(msg.token_ids, msg.sampling)
             now = time.monotonic()
             if isinstance(msg, PrefillRequest):
@@ -282,11 +288,19 @@ class FakeWorker:
                 return out, "length"
         return out, "stop"
 
+    def _fail(self, request_id: str, message: str, retry: str) -> None:
+        ev = TokenEvent(request_id=request_id, token_ids=(), finish_reason="error", error=message, retry=retry)  # type: ignore[arg-type]
+        self.link.send_events(TokenEvents(worker_id=self.worker_id, events=(ev,)))
+
     def _start_decode(self, req: PrefillRequest, first_token: int) -> None:
         tokens, finish = self._plan(req.token_ids, req.sampling)
         with self._cond:
             self.received.append(("kv", req.request_id))
             if req.request_id in self.aborted:
+                return
+            if self.kv_refuse > 0:
+                self.kv_refuse -= 1
+                self._fail(req.request_id, "KV transfer refused: checksum mismatch (test)", "kv_failed")
                 return
             self._active[req.request_id] = _Emission(
                 req.request_id,

@@ -110,13 +110,27 @@ def test_worker_that_stops_heartbeating_fails_streams_and_flips_ready(pair):
         assert p.requests()[-1].decode_worker_id == "decode-1"
 
 
-def test_dead_worker_fails_non_streaming_request_with_502(pair):
+def test_dead_worker_fails_non_streaming_request_with_502():
+    with RouterHarness(prefill_fallback=False) as h:
+        p = h.worker("prefill-0", "prefill", script=SLOW, delay=0.05, first_delay=30)
+        h.worker("decode-0", "decode", script=SLOW, delay=0.05)
+        with httpx.Client(base_url=h.base_url, timeout=10) as c:
+            p.hang()
+            r = c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "worker_lost"
+
+
+def test_with_the_only_prefill_worker_dead_the_decode_worker_serves_the_request_whole(pair):
     h, p, d = pair
     p.first_delay = 30
     with httpx.Client(base_url=h.base_url, timeout=10) as c:
         p.hang()
         r = c.post("/v1/chat/completions", json=CHAT)
-    assert r.status_code == 502 and r.json()["error"]["code"] == "worker_lost"
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello world" * 5
+        assert type(d.requests()[-1]).__name__ == "GenerateRequest"  # the whole request, prompt included
+        r = c.post("/v1/chat/completions", json=CHAT)  # new requests too, while no prefill is back
+        assert r.status_code == 200 and type(d.requests()[-1]).__name__ == "GenerateRequest"
+    assert 'cause="prefill_lost_before_first_token"' in h.service.metrics.render().decode()
 
 
 def test_worker_goodbye_takes_it_out_of_rotation():

@@ -39,8 +39,8 @@ def hb(worker_id: str, *, queued: int = 0, free: int = 100, draining: bool = Fal
     )
 
 
-def registry(*regs: Register, policy: str = "auto") -> Registry:
-    r = Registry(hash_blocks, policy)
+def registry(*regs: Register, policy: str = "auto", fallback: bool = True) -> Registry:
+    r = Registry(hash_blocks, policy, fallback)
     for m in regs:
         assert r.register(m, 0.0) == (None, None)
     return r
@@ -210,3 +210,31 @@ def test_perfect_ties_are_spread_not_piled_on_the_first_id():
         r = registry(reg("c0", "colocated"), reg("c1", "colocated"))
         picks.add(r.pick(f"r{i}", PROMPT, 8).first)
     assert picks == {"c0", "c1"}
+
+
+def test_with_no_prefill_worker_a_decode_worker_serves_the_request_whole():
+    r = registry(reg("d0", "decode"), reg("d1", "decode"))
+    r.heartbeat(hb("d0", queued=100), 0)
+    assert r.has_path()
+    route = r.pick("a", PROMPT, 8)
+    assert route.mode == "colocated" and route.first == "d1" and route.decode is None
+    assert "a" in r.workers["d1"].requests
+
+
+def test_without_the_fallback_decode_workers_alone_are_no_path():
+    r = registry(reg("d0", "decode"), fallback=False)
+    assert not r.has_path() and r.pick("a", PROMPT, 8) is None
+
+
+def test_the_fallback_is_not_used_while_a_prefill_path_exists():
+    r = registry(reg("p0", "prefill"), reg("d0", "decode"))
+    assert r.pick("a", PROMPT, 8).mode == "disaggregated"
+
+
+def test_avoided_workers_are_used_only_when_nothing_else_serves():
+    r = registry(reg("p0", "prefill"), reg("d0", "decode"), reg("d1", "decode"))
+    r.heartbeat(hb("d1", free=10), 0)  # d0 would win on free blocks
+    assert r.pick("a", PROMPT, 8, avoid=("d0",)).decode == "d1"
+    assert r.pick("b", PROMPT, 8, avoid=("d0", "d1")).decode in {"d0", "d1"}  # rather the same than none
+    route = r.pick("c", PROMPT, 8, avoid=("p0",))  # no other prefill: a decode worker alone
+    assert route.mode == "colocated" and route.first in {"d0", "d1"}

@@ -214,17 +214,18 @@ class Worker(ABC):
         if isinstance(work, Abort):
             self.abort(work.request_ids)
             return
+        # A refusal is this worker's (its limits, its state): the router may send the work elsewhere.
         if self._draining:
-            self.emit(error_event(work.request_id, "worker is draining; retry"))
+            self.emit(error_event(work.request_id, "worker is draining; retry", retry="refused"))
             return
         try:
             self.accept(work)
         except RequestRejected as exc:
             log.info("request %s rejected: %s", work.request_id, exc)
-            self.emit(error_event(work.request_id, f"{exc.param}: {exc}"))
+            self.emit(error_event(work.request_id, f"{exc.param}: {exc}", retry="refused"))
         except ValueError as exc:  # e.g. a duplicate request id
             log.warning("request %s rejected: %s", work.request_id, exc)
-            self.emit(error_event(work.request_id, str(exc)))
+            self.emit(error_event(work.request_id, str(exc), retry="refused"))
 
     def emit(self, event: TokenEvent) -> None:
         self._pending_events.append(event)
@@ -237,7 +238,7 @@ class Worker(ABC):
                 top_logprobs=tuple(o.top_logprobs) if o.top_logprobs else None,
                 finish_reason=o.finish_reason, error=o.error,  # type: ignore[arg-type]
                 num_prompt_tokens=o.num_prompt_tokens, num_cached_tokens=o.num_cached_tokens,
-                position=o.position,
+                position=o.position, retry=o.retry,  # type: ignore[arg-type]
             ))
 
     def _flush(self) -> None:
