@@ -33,7 +33,8 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 #   refused          the worker would not take it (draining, limits, a transport it lacks)
 #   kv_failed        the KV hand-off failed (checksum or fingerprint mismatch, NACK, send error)
 #   kv_lease_expired the decode worker could not load the KV before the sender's lease ran out
-RetryCause = Literal["", "refused", "kv_failed", "kv_lease_expired"]
+#   stopped          the worker is shutting down and its drain deadline passed before the end
+RetryCause = Literal["", "refused", "kv_failed", "kv_lease_expired", "stopped"]
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"):

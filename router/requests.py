@@ -255,6 +255,9 @@ class RequestState:
                 continue  # late events: the router stopped the choice, or re-dispatched it
             choice.last_event_at = time.monotonic()
             for ev in choice.in_order(item):
+                if ev.error is not None and choice.decode_started and worker_id == choice.route.first \
+                        and choice.route.decode is not None:
+                    continue  # the decode worker holds the request now: the prefill side's end is no news
                 if ev.error is not None and ev.retry and self._retry is not None \
                         and self._retry(self, choice, worker_id, ev.retry):
                     break  # re-dispatched: what was queued behind it belongs to the old id

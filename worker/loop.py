@@ -165,8 +165,8 @@ class Worker(ABC):
                 drain_deadline = drain_deadline or time.monotonic() + self.options.drain_timeout
                 if not self.busy():
                     break
-                if time.monotonic() > drain_deadline:
-                    self._fail_all("worker shut down before the request finished")
+                if time.monotonic() > drain_deadline:  # the router moves what is left elsewhere
+                    self._fail_all("worker shut down before the request finished", retry="stopped")
                     break
         self._flush()
         self.close()
@@ -252,11 +252,11 @@ class Worker(ABC):
         for rid in ids:
             self.emit(error_event(rid, message))
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, retry: RetryCause = "") -> None:
         ids = self.engine.request_ids()
         self.engine.abort(ids)
         for rid in ids:
-            self.emit(error_event(rid, message))
+            self.emit(error_event(rid, message, retry=retry))
 
     def _tick(self) -> None:
         self._last_tick = time.monotonic()
