@@ -9,6 +9,11 @@ queues (bounded). Liveness is judged from arrival times, so a blocked event loop
 itself expire workers whose heartbeats arrived. `_reap_loop` (on the event loop) expires the
 silent ones.
 
+A worker's death is noticed at once where the kernel closes its connection (kill -9, a crash,
+OOM): a socket monitor reports the disconnect of the file descriptor the worker's frames came
+from, and the worker is lost then and there, not a heartbeat timeout later. Heartbeats remain the
+judge for what closes no connection (a wedged process, a partitioned host).
+
 Fencing: `epoch` is random per router start. RegisterAck, HeartbeatAck and every piece of work
 carry it; a worker that sees a new epoch drops everything an older router gave it.
 """
@@ -29,6 +34,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 import zmq
 from prometheus_client import Counter
+from zmq.utils.monitor import recv_monitor_message
 
 from pdserve.config.log_limits import RateLimitedLog
 from pdserve.protocol.auth import CONTROL_TO_ROUTER, CONTROL_TO_WORKER, AuthError, FrameAuth
@@ -98,6 +104,10 @@ class ControlServer:
         self._sock: zmq.Socket | None = None
         self._out: queue.Queue[tuple[bytes, bytes]] = queue.Queue(MAX_OUTBOX)
         self._arrived: dict[str, float] = {}  # worker_id -> monotonic arrival of its last frame
+        # The connection (file descriptor) each worker's latest verified frame came on (I/O thread).
+        self._fd_of: dict[str, int] = {}
+        self._worker_on: dict[int, str] = {}
+        self.disconnects = 0
         self._inbox_len = 0  # messages handed to the event loop and not yet handled
         self._inbox_lock = threading.Lock()
         self._stop = threading.Event()
@@ -182,6 +192,8 @@ class ControlServer:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller.register(monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(100))
@@ -191,26 +203,50 @@ class ControlServer:
                             pass
                 if sock in ready:
                     self._read(sock)
+                if monitor in ready:
+                    self._on_monitor(monitor)
                 self._flush(sock)
             self._flush(sock)
         except Exception:
             self.alive = False
             log.exception("control channel I/O thread failed")
         finally:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=200)
 
     def _read(self, sock: zmq.Socket) -> None:
         for _ in range(_BATCH):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             arrival = time.monotonic()  # before any verification or handling
             try:
-                self._receive(frames, arrival)
+                self._receive([p.bytes for p in parts], arrival, _source_fd(parts[0]))
             except Exception:  # a bug must not kill the channel
                 self.metrics.bad_messages.inc()
                 log.exception("control frame handling failed")
+
+    def _on_monitor(self, monitor: zmq.Socket) -> None:
+        """Connections that closed: a worker whose latest frame came on one is gone."""
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            fd = int(event["value"])
+            worker_id = self._worker_on.pop(fd, None)
+            if worker_id is None or self._fd_of.get(worker_id) != fd:
+                continue  # not a worker's connection, or it already reconnected on another
+            del self._fd_of[worker_id]
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(self._on_disconnect, worker_id)
 
     def _flush(self, sock: zmq.Socket) -> None:
         while True:
@@ -223,7 +259,7 @@ class ControlServer:
             except zmq.ZMQError as exc:  # ROUTER without MANDATORY only fails on shutdown / HWM
                 _log_bad("control send to %r failed: %s", ident[:64], exc, key="send-failed")
 
-    def _receive(self, frames: list[bytes], arrival: float) -> None:
+    def _receive(self, frames: list[bytes], arrival: float, fd: int | None = None) -> None:
         """Verify and decode one frame on the I/O thread; hand a valid message to the loop."""
         ident = frames[0]
         try:
@@ -239,6 +275,9 @@ class ControlServer:
         if msg.worker_id.encode() != ident:
             return self._bad(ident, f"worker_id {msg.worker_id!r} does not match the connection identity")
         self._arrived[msg.worker_id] = arrival
+        if fd is not None and self._fd_of.get(msg.worker_id) != fd:
+            self._fd_of[msg.worker_id] = fd
+            self._worker_on[fd] = msg.worker_id
         with self._inbox_lock:
             if self._inbox_len >= MAX_INBOX:
                 self.inbox_dropped += 1
@@ -350,6 +389,16 @@ class ControlServer:
                 )
                 self._lost(w, f"worker {w.worker_id} ({w.role}) stopped responding")
 
+    def _on_disconnect(self, worker_id: str) -> None:
+        w = self.registry.remove(worker_id)
+        if w is None:
+            return  # it said goodbye, or had already expired
+        self.disconnects += 1
+        self._arrived.pop(worker_id, None)
+        self.metrics.worker_failures.inc()
+        log.error("worker %s (%s) disconnected: out of rotation", w.worker_id, w.role)
+        self._lost(w, f"worker {w.worker_id} ({w.role}) disconnected")
+
     def _lost(self, w: WorkerState, message: str, forget: bool = True) -> None:
         n = self.on_lost(w, message)
         if n:
@@ -364,6 +413,14 @@ class ControlServer:
             counts[w.role] += 1
         for role in ("prefill", "decode", "colocated"):
             self.metrics.workers.labels(role).set(counts[role])
+
+
+def _source_fd(frame: zmq.Frame) -> int | None:
+    """The file descriptor of the connection a frame came on (None where libzmq cannot say)."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return None
 
 
 def _delta(prev: Heartbeat | None, cur: Heartbeat, field: str) -> float:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import pickle
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -254,3 +257,39 @@ def test_heartbeat_kv_counters_become_prometheus_counters():
         assert 'pdserve_kv_blocks_used{role="prefill",worker="p9"} 6.0' in text
         assert 'pdserve_kv_transfer_seconds_total{role="prefill",worker="p9"} 2.5' in text
         dealer.close()
+
+
+KILLABLE = """
+import sys, time
+from tests.fake_worker import FakeWorker, toks
+FakeWorker(sys.argv[1], "colo-doomed", script=toks("Hello world") * 20, delay=0.02, heartbeat_interval=1.0).start()
+time.sleep(120)
+"""
+
+
+def test_a_killed_worker_is_lost_when_its_connection_closes_not_a_heartbeat_timeout_later():
+    root = str(Path(__file__).parent.parent)
+    with RouterHarness(heartbeat_timeout=30) as h, httpx.Client(base_url=h.base_url, timeout=30) as c:
+        doomed = subprocess.Popen([sys.executable, "-c", KILLABLE, h.control_address], cwd=root)
+        try:
+            assert h.wait_until(lambda: "colo-doomed" in h.service.registry.workers, timeout=30)
+            with c.stream("POST", "/v1/chat/completions",
+                          json={**CHAT, "max_tokens": 40, "stream": True}) as r:
+                lines = r.iter_lines()
+                seen = [next(lines)]
+                while "Hel" not in seen[-1]:  # streaming from the doomed worker
+                    seen.append(next(lines))
+                h.worker("colo-1", script=toks("Hello world") * 20)
+                doomed.kill()
+                killed = time.monotonic()
+                assert h.wait_until(lambda: "colo-doomed" not in h.service.registry.workers, timeout=5)
+                lost_after = time.monotonic() - killed
+                events = sse_events([*seen, *lines])
+        finally:
+            doomed.kill()
+            doomed.wait()
+    assert lost_after < 1.0  # the heartbeat timeout is 30 s
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e.get("choices"))
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+    assert text == ("Hello world" * 20)[: len(text)] and len(text) >= 40  # 40 tokens, none twice
+    assert h.service.control.disconnects == 1
