@@ -1,104 +1,26 @@
-"""`pdserve up` as a subprocess for end-to-end tests: start, wait for its workers, find a
-child's pid in its log, send signals to children, stop."""
+"""`pdserve up` for end-to-end tests (bench/up_process.py), with optional injected faults."""
 
 from __future__ import annotations
 
 import os
-import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
-
-from pdserve.config.ports import free_port
+from pdserve.bench.up_process import UpProcess
 
 FAULTS = Path(__file__).parent / "helpers" / "faults"  # sitecustomize.py: PDSERVE_TEST_FAULTS
 
 
-class Up:
-    """`pdserve up --num-prefill P --num-decode D` with the tiny model on loopback."""
+class Up(UpProcess):
+    """`pdserve up` with the tiny model; `faults` is PDSERVE_TEST_FAULTS (tests/helpers/faults)."""
 
-    def __init__(self, model: str, log_path: Path, *, num_prefill: int = 2, num_decode: int = 2,
-                 args: tuple[str, ...] = (), env: dict[str, str] | None = None, faults: str = "") -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.want = {"prefill": num_prefill, "decode": num_decode, "colocated": 0}
-        self.cmd = [sys.executable, "-m", "pdserve", "--log-level", "INFO", "up", "--model", model,
-                    "--port", str(self.port), "--num-prefill", str(num_prefill), "--num-decode",
-                    str(num_decode), "--no-pin", "--threads", "1", "--kv-cache-memory-gb", "0.05",
-                    "--restart-backoff", "0.5", "--ready-timeout", "150", *args]
-        self.env = dict(os.environ, **(env or {}))
+    def __init__(self, model: str, log_path: Path, *, faults: str = "", timeout: float = 150.0, **kw) -> None:
+        super().__init__(model, log_path, **kw)
+        self.timeout = timeout
         if faults:
             root = str(Path(__file__).parent.parent)
             self.env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(FAULTS), root, self.env.get("PYTHONPATH"))))
             self.env["PDSERVE_TEST_FAULTS"] = faults
-        self.proc: subprocess.Popen | None = None
-        self._model: str | None = None
 
-    def start(self, timeout: float = 150.0) -> Up:
-        with self.log_path.open("w") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
-        self.wait_workers(self.want, timeout)
+    def start(self, timeout: float | None = None) -> Up:
+        super().start(timeout or self.timeout)
         return self
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def workers(self) -> dict[str, float] | None:
-        """Live workers by role, as the router sees them (None while it does not answer)."""
-        try:
-            text = httpx.get(f"{self.base_url}/metrics", timeout=5).text
-        except httpx.HTTPError:
-            return None
-        return {m[0]: float(m[1]) for m in re.findall(r'pdserve_router_workers\{role="(\w+)"\} ([0-9.]+)', text)}
-
-    def wait_workers(self, want: dict[str, int], timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.workers() != want:
-            assert self.proc is not None and self.proc.poll() is None, "pdserve up exited:\n" + self.log()[-3000:]
-            assert time.monotonic() < deadline, f"workers {self.workers()} != {want}:\n" + self.log()[-3000:]
-            time.sleep(0.2)
-
-    def pid(self, name: str) -> int:
-        pids = re.findall(rf"(?:started|restarted) {name} \(pid (\d+)", self.log())
-        assert pids, f"no pid for {name}"
-        return int(pids[-1])
-
-    def signal(self, name: str, sig: int) -> int:
-        pid = self.pid(name)
-        os.kill(pid, sig)
-        return pid
-
-    def metric(self, name: str, labels: str = "") -> float:
-        text = httpx.get(f"{self.base_url}/metrics", timeout=5).text
-        m = re.search(rf"^{re.escape(name)}{re.escape('{' + labels + '}') if labels else ''} ([0-9.e+-]+)$", text, re.M)
-        return float(m.group(1)) if m else 0.0
-
-    def model(self) -> str:
-        if self._model is None:
-            self._model = httpx.get(f"{self.base_url}/v1/models", timeout=5).json()["data"][0]["id"]
-        return self._model
-
-    def routes(self, request_id_prefix: str = "") -> dict[str, list[str]]:
-        """Where the router sent each sub-request, from its log: id -> the workers of its route."""
-        out: dict[str, list[str]] = {}
-        for rid, first, decode in re.findall(r"request (\S+): \d+ prompt tokens, max_tokens \d+ -> (\S+)(?: -> (\S+) via)?",
-                                             self.log()):
-            if rid.startswith(request_id_prefix):
-                out[rid] = [first, decode] if decode else [first]
-        return out
