@@ -1,11 +1,13 @@
 """The decode worker: prefilled requests in (KV over the transport), decode-only steps out.
 
-KV arrival:  ReceivedKV -> refused (bad checksum / fingerprint / shape) -> NACK + error event
+KV arrival:  ReceivedKV -> its epoch is no router's we are registered with -> NACK
+                        -> refused (bad checksum / fingerprint / shape) -> NACK + error event
                         -> aborted meanwhile -> NACK
                         -> its request queued, the KV kept by the DecodeConnector
                            -> admitted: blocks allocated, KV loaded before the step runs -> ACK
                            -> no room before the sender's lease runs out -> NACK + error event
-The engine runs the decode-only policy: every step is one token per running request.
+The engine runs the decode-only policy: every step is one token per running request. A request
+belongs to the router whose epoch its KV carries: its tokens go there (worker/routes.py).
 """
 
 from __future__ import annotations
@@ -86,14 +88,22 @@ class DecodeWorker(Worker):
             self.emit(error_event(rid, "decode worker out of KV space"))
         self._send_acks()
 
+    def held_request_ids(self) -> set[str]:
+        return super().held_request_ids() | set(self.kv_in.arrived)
+
     def _arrived(self, rkv: ReceivedKV) -> None:
         rid = rkv.meta.request_id
-        if not rkv.ok:
-            self._refuse(rkv, rkv.reason)
-        elif rkv.meta.epoch != self.epoch:  # taken under another router: fenced off
-            log.warning("request %s: KV of router epoch %r refused (ours %r)", rid, rkv.meta.epoch, self.epoch)
+        router = self.links.routes.router_for_epoch(rkv.meta.epoch)
+        if router is None:  # taken under a router we do not serve (any more): fenced off
+            log.warning("request %s: KV of router epoch %r refused: not the epoch of any router this worker is "
+                        "registered with", rid, rkv.meta.epoch)
             self.kv_refused += 1
-            self.receiver.ack(rid, False, f"router epoch {rkv.meta.epoch!r} is not this worker's")
+            self.receiver.ack(rid, False, f"router epoch {rkv.meta.epoch!r} is not one this worker serves")
+        elif not self.links.routes.claim(rid, router):
+            self.kv_refused += 1
+            self.receiver.ack(rid, False, "request id already in use on this worker")
+        elif not rkv.ok:
+            self._refuse(rkv, rkv.reason)
         elif rid in self.aborted:
             self.receiver.ack(rid, False, "aborted")
         else:
