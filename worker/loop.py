@@ -215,9 +215,9 @@ class Worker(ABC):
         if fence.request_ids:
             log.warning("%s %s: fence of router %s (%s): aborting its %d requests: %s", self.role, self.worker_id,
                         fence.router, fence.reason, len(fence.request_ids), ",".join(fence.request_ids[:8]))
-        else:
-            log.info("%s %s: fence of router %s (%s): it held no requests", self.role, self.worker_id,
-                     fence.router, fence.reason)
+        else:  # e.g. a router's first epoch
+            log.debug("%s %s: fence of router %s (%s): it held no requests", self.role, self.worker_id,
+                      fence.router, fence.reason)
         self.abort(fence.request_ids)
 
     def _handle(self, work) -> None:
