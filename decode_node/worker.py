@@ -94,16 +94,15 @@ class DecodeWorker(Worker):
     def _arrived(self, rkv: ReceivedKV) -> None:
         rid = rkv.meta.request_id
         router = self.links.routes.router_for_epoch(rkv.meta.epoch)
-        if router is None:  # taken under a router we do not serve (any more): fenced off
-            log.warning("request %s: KV of router epoch %r refused: not the epoch of any router this worker is "
-                        "registered with", rid, rkv.meta.epoch)
-            self.kv_refused += 1
-            self.receiver.ack(rid, False, f"router epoch {rkv.meta.epoch!r} is not one this worker serves")
-        elif not self.links.routes.claim(rid, router):
-            self.kv_refused += 1
-            self.receiver.ack(rid, False, "request id already in use on this worker")
+        routed = router is not None and self.links.routes.claim(rid, router)
+        if not rkv.ok and routed:
+            self._refuse(rkv, rkv.reason)  # its router hears why, as the prefill worker does
         elif not rkv.ok:
-            self._refuse(rkv, rkv.reason)
+            self._nack(rid, rkv.reason)
+        elif router is None:  # taken under a router we do not serve (any more): fenced off
+            self._nack(rid, f"router epoch {rkv.meta.epoch!r} is not one this worker is registered with")
+        elif not routed:
+            self._nack(rid, "request id already in use on this worker")
         elif rid in self.aborted:
             self.receiver.ack(rid, False, "aborted")
         else:
@@ -126,6 +125,12 @@ class DecodeWorker(Worker):
         except (RequestRejected, ValueError) as exc:
             self.kv_in.arrived.pop(meta.request_id, None)
             self._refuse(rkv, str(exc))
+
+    def _nack(self, rid: str, reason: str) -> None:
+        """Refuse a transfer without a word to any router (it is not one of ours to tell)."""
+        log.warning("request %s: KV refused: %s", rid, reason)
+        self.kv_refused += 1
+        self.receiver.ack(rid, False, reason)
 
     def _refuse(self, rkv: ReceivedKV, reason: str) -> None:
         rid = rkv.meta.request_id

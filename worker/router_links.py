@@ -141,8 +141,9 @@ class RouterLinks:
 
     def describe(self) -> list[dict]:
         """Each router's link, for /info."""
+        counts = self.routes.counts()
         return [{"router": r, "registered": link.registered, "epoch": self.routes.epoch_of(r),
-                 "requests": len(self.routes.requests_of(r)), "fences": link.fences}
+                 "requests": counts.get(r, 0), "fences": link.fences}
                 for r, link in sorted(self._links.items())]
 
     # --- the engine's side ---------------------------------------------------------------------
@@ -228,6 +229,8 @@ class RouterLinks:
             current |= found
         for ep in current:
             self._seen[ep] = now
+        if self._stop.is_set():  # closing: open nothing more
+            return
         links = dict(self._links)
         gone = {ep: links.pop(ep) for ep in list(links)
                 if ep not in current and now - self._seen.get(ep, now) >= self.forget_after}

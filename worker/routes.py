@@ -57,6 +57,13 @@ class RouteTable:
     def requests_of(self, router: str) -> tuple[str, ...]:
         return tuple(rid for rid, r in self._owner.items() if r == router)
 
+    def counts(self) -> dict[str, int]:
+        """Requests per router. Safe from another thread (/info): the copy is one C-level call."""
+        out: dict[str, int] = {}
+        for router in list(self._owner.values()):
+            out[router] = out.get(router, 0) + 1
+        return out
+
     def fence(self, router: str, epoch: str) -> tuple[str, ...]:
         """`router` has a new epoch ('' : it is lost): its requests are released and returned."""
         self._epoch[router] = epoch
