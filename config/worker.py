@@ -13,8 +13,9 @@ import os
 from dataclasses import dataclass, field
 
 from pdserve.config.engine import ConfigError, add_engine_arguments
-from pdserve.config.env import env_default
+from pdserve.config.env import add_env_argument, env_default
 from pdserve.config.names import KV_TRANSPORTS
+from pdserve.config.router_address import parse_router_addresses
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,8 @@ NO_SECRET = ("no deployment secret: pass --secret-file PATH (or set PDSERVE_SECR
 
 @dataclass(frozen=True, slots=True)
 class WorkerOptions:
-    router_address: str = "tcp://127.0.0.1:5550"
+    router_address: str = "tcp://127.0.0.1:5550"  # one or more routers (config/router_address.py)
+    router_resolve_interval: float = 5.0  # seconds between lookups of a dns:// router address
     host: str = "127.0.0.1"  # every socket of the worker binds here
     advertise_host: str | None = None  # what others dial; defaults to host
     kv_port: int = 0
@@ -49,13 +51,22 @@ class WorkerOptions:
                               f"use {', '.join(KV_TRANSPORTS)}")
         if self.heartbeat_interval <= 0 or self.drain_timeout < 0:
             raise ConfigError("--heartbeat-interval must be positive and --drain-timeout not negative")
+        parse_router_addresses(self.router_address)
+        if self.router_resolve_interval <= 0:
+            raise ConfigError("--router-resolve-interval must be positive")
 
 
 def add_worker_arguments(p: argparse.ArgumentParser, kv_port: int, health_port: int, transports: str) -> None:
     """The flags of a worker process, the engine's included."""
     g = p.add_argument_group("worker")
     g.add_argument("--router-address", default=env_default("router-address", "tcp://127.0.0.1:5550"),
-                   help="the router's control socket (ZMQ)")
+                   help="the routers' control sockets (ZMQ); the worker registers with every one: "
+                        "tcp://HOST:PORT, several comma-separated, or dns://NAME:PORT for every address "
+                        "NAME resolves to (IPv4 and IPv6, looked up again every --router-resolve-interval "
+                        "seconds: a Kubernetes headless Service)")
+    add_env_argument(g, "--router-resolve-interval", 5.0,
+                     "seconds between lookups of a dns:// --router-address; a router whose address is "
+                     "gone for a minute is dropped, with its requests")
     g.add_argument("--host", default=env_default("host", "127.0.0.1"), help="address every socket of this worker binds")
     g.add_argument("--advertise-host", default=env_default("advertise-host", None),
                    help="address other workers dial to reach this one (default: --host)")
@@ -116,7 +127,8 @@ def parse_transports(text: str) -> tuple[str, ...]:
 
 def worker_options(args: argparse.Namespace) -> WorkerOptions:
     return WorkerOptions(
-        router_address=args.router_address, host=args.host, advertise_host=args.advertise_host,
+        router_address=args.router_address, router_resolve_interval=args.router_resolve_interval,
+        host=args.host, advertise_host=args.advertise_host,
         kv_port=args.kv_port, health_port=args.health_port, kv_transports=parse_transports(args.kv_transport),
         host_id=args.host_id, worker_id=args.worker_id, drain_timeout=args.drain_timeout,
         heartbeat_interval=args.heartbeat_interval,
@@ -126,7 +138,8 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
 
 def worker_argv(options: WorkerOptions) -> list[str]:
     """The flags that rebuild `options` in another process."""
-    out = ["--router-address", options.router_address, "--host", options.host,
+    out = ["--router-address", options.router_address,
+           "--router-resolve-interval", str(options.router_resolve_interval), "--host", options.host,
            "--kv-port", str(options.kv_port), "--health-port", str(options.health_port),
            "--kv-transport", ",".join(options.kv_transports),
            "--drain-timeout", str(options.drain_timeout), "--heartbeat-interval", str(options.heartbeat_interval)]

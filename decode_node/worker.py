@@ -1,15 +1,17 @@
 """The decode worker: prefilled requests in (KV over the transport), decode-only steps out.
 
-KV arrival:  ReceivedKV -> refused (bad checksum / fingerprint / shape) -> NACK + error event
+KV arrival:  ReceivedKV -> its epoch is no router's we are registered with -> NACK
+                        -> refused (bad checksum / fingerprint / shape) -> NACK + error event
                         -> aborted meanwhile -> NACK
                         -> its request queued, the KV kept by the DecodeConnector
                            -> admitted: blocks allocated, KV loaded before the step runs -> ACK
                            -> no room before the sender's lease runs out -> NACK + error event
 The error events carry a retry cause (kv_failed, kv_lease_expired): the router sends the request
 to another pair, so a bad transfer costs a recompute, never the request nor an answer from bad KV.
-The engine runs the decode-only policy: every step is one token per running request. When no
-prefill worker is left, the router sends whole requests here (GenerateRequest) and the same
-policy computes their prompts in chunks, as it does a recompute.
+The engine runs the decode-only policy: every step is one token per running request. A request
+belongs to the router whose epoch its KV carries: its tokens go there (worker/routes.py). When no
+prefill worker is left, a router sends whole requests here (GenerateRequest) and the same policy
+computes their prompts in chunks, as it does a recompute.
 """
 
 from __future__ import annotations
@@ -96,14 +98,21 @@ class DecodeWorker(Worker):
             self.emit(error_event(rid, "decode worker out of KV space", retry="kv_lease_expired"))
         self._send_acks()
 
+    def held_request_ids(self) -> set[str]:
+        return super().held_request_ids() | set(self.kv_in.arrived)
+
     def _arrived(self, rkv: ReceivedKV) -> None:
         rid = rkv.meta.request_id
-        if not rkv.ok:
-            self._refuse(rkv, rkv.reason)
-        elif rkv.meta.epoch != self.epoch:  # taken under another router: fenced off
-            log.warning("request %s: KV of router epoch %r refused (ours %r)", rid, rkv.meta.epoch, self.epoch)
-            self.kv_refused += 1
-            self.receiver.ack(rid, False, f"router epoch {rkv.meta.epoch!r} is not this worker's")
+        router = self.links.routes.router_for_epoch(rkv.meta.epoch)
+        routed = router is not None and self.links.routes.claim(rid, router)
+        if not rkv.ok and routed:
+            self._refuse(rkv, rkv.reason)  # its router hears why, as the prefill worker does
+        elif not rkv.ok:
+            self._nack(rid, rkv.reason)
+        elif router is None:  # taken under a router we do not serve (any more): fenced off
+            self._nack(rid, f"router epoch {rkv.meta.epoch!r} is not one this worker is registered with")
+        elif not routed:
+            self._nack(rid, "request id already in use on this worker")
         elif rid in self.aborted:
             self.receiver.ack(rid, False, "aborted")
         else:
@@ -126,6 +135,12 @@ class DecodeWorker(Worker):
         except (RequestRejected, ValueError) as exc:
             self.kv_in.arrived.pop(meta.request_id, None)
             self._refuse(rkv, str(exc))
+
+    def _nack(self, rid: str, reason: str) -> None:
+        """Refuse a transfer without a word to any router (it is not one of ours to tell)."""
+        log.warning("request %s: KV refused: %s", rid, reason)
+        self.kv_refused += 1
+        self.receiver.ack(rid, False, reason)
 
     def _refuse(self, rkv: ReceivedKV, reason: str) -> None:
         rid = rkv.meta.request_id

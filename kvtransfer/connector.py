@@ -58,6 +58,7 @@ class HandoffTarget:
     address: str
     transport: str
     sampling: SamplingParams  # the request's own; the engine here runs it capped at one token
+    epoch: str = ""  # the epoch of the router the request came from: its KVTransfer carries it
     first_token_at: float = 0.0  # its first token was out (handed to the router link)
     sent_at: float = 0.0  # KV handed to the transport
     nbytes: int = 0
@@ -83,7 +84,6 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
                  lease_s: float = 5.0, auth: FrameAuth | None = None) -> None:
         self.fingerprint = fingerprint
         self.auth = auth  # signs every KV frame (None: unauthenticated, --insecure)
-        self.epoch = ""  # the router epoch this worker's requests come from (set on a fence)
         self.worker_id = worker_id
         self.max_model_len = max_model_len
         self.lease_s = lease_s
@@ -179,7 +179,7 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
             prompt_token_ids=tuple(req.prompt_token_ids), output_token_ids=tuple(req.output_token_ids),
             sampling=target.sampling, num_computed_tokens=req.num_computed_tokens,
             fingerprint=self.fingerprint, tensor=describe(payload, with_checksum=False),
-            transport=target.transport, arrival_time=req.arrival_time, epoch=self.epoch,
+            transport=target.transport, arrival_time=req.arrival_time, epoch=target.epoch,
         )
         target.sent_at, target.nbytes = time.time(), payload.numel() * payload.element_size()
         self.in_flight[req.request_id] = target

@@ -24,7 +24,6 @@ from pdserve.model.weights import LoadedModel, load_model
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import ModelFingerprint, PrefillRequest
 from pdserve.worker.loop import Worker, default_worker_id, error_event, model_fingerprint
-from pdserve.worker.router_link import Fence
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +64,18 @@ class PrefillWorker(Worker):
         self.engine.add_request(work.request_id, list(work.token_ids),
                                 first_token_only(work.sampling, len(generated)), work.arrival_time or None,
                                 output_token_ids=generated)
-        self.handoff.expect(work.request_id, HandoffTarget(work.decode_kv_address, work.kv_transport, work.sampling))
+        # The KV carries the epoch of the router this request came from: the decode worker routes
+        # the rest of its tokens there, and refuses it once that router is gone.
+        routes = self.links.routes
+        epoch = routes.epoch_of(routes.owner(work.request_id))
+        self.handoff.expect(work.request_id,
+                            HandoffTarget(work.decode_kv_address, work.kv_transport, work.sampling, epoch))
 
     def busy(self) -> bool:
         return self.engine.has_unfinished() or bool(self.handoff.in_flight)
+
+    def held_request_ids(self) -> set[str]:
+        return super().held_request_ids() | set(self.handoff.targets) | set(self.handoff.in_flight)
 
     def poll_io(self) -> None:
         for result in self.handoff.poll_acks():
@@ -81,11 +88,6 @@ class PrefillWorker(Worker):
         self.engine.abort(request_ids)
         for rid in request_ids:
             self.handoff.forget(rid)
-
-    def fence(self, fence: Fence) -> None:
-        """Drop the old router's requests; KV sent from now on carries the new epoch."""
-        super().fence(fence)  # aborts every request, which forgets their hand-offs too
-        self.handoff.epoch = fence.epoch
 
     def kv_counters(self) -> tuple[int, int, float]:
         return self.handoff.bytes_sent, 0, self.handoff.transfer_seconds

@@ -5,7 +5,9 @@
 would (ConfigMap/Secret `envFrom`, `env` with `$(VAR)` expansion, downward-API fields) and
 rewrites what only exists inside a cluster for one loopback host: the pod IP and service DNS
 names become 127.0.0.1, and every container port of every replica is remapped to a free local
-port (so two replicas of one Deployment can run side by side). The result is what
+port (so two replicas of one Deployment can run side by side). A worker's `dns://NAME:PORT`
+becomes what NAME resolves to in a cluster: every selected replica for a headless Service (a
+comma-separated list of tcp:// addresses), the one Service address otherwise. The result is what
 tests/test_k8s_processes.py starts with `.venv/bin/pdserve`.
 """
 
@@ -32,6 +34,7 @@ LOCAL_HOST = "127.0.0.1"
 LOCAL_NODE_NAME = "local-node"
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 _HOST_PORT = re.compile(r"(?P<host>[A-Za-z0-9_.\-]+):(?P<port>\d+)")
+_DNS_ADDRESS = re.compile(r"^dns://(?P<host>[A-Za-z0-9_.\-]+):(?P<port>\d+)$")
 _WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 _LOCAL_SECRET = secrets.token_hex(32)
 
@@ -139,33 +142,34 @@ def _resolve_port(replica: _Replica, port: int | str) -> int:
 
 
 class _ServiceMap:
-    """Service DNS name + service port -> the local port of the first replica it selects."""
+    """Service DNS name + service port -> the local port of the first replica it selects (what a
+    connection through its virtual IP reaches), and every selected replica's (what the name of a
+    headless Service resolves to)."""
 
     def __init__(self, services: list[dict[str, Any]], replicas: list[_Replica]) -> None:
-        self._targets: dict[tuple[str, int], int] = {}
+        self._targets: dict[tuple[str, int], list[int]] = {}
         for svc in services:
             meta = svc["metadata"]
             name, ns = meta["name"], meta.get("namespace", "default")
             names = (name, f"{name}.{ns}", f"{name}.{ns}.svc", f"{name}.{ns}.svc.cluster.local")
-            chosen = next(
-                (
-                    r
-                    for r in replicas
-                    if labels_match(
-                        {"matchLabels": svc["spec"].get("selector") or {}}, _pod_labels(r.workload)
-                    )
-                ),
-                None,
-            )
-            if chosen is None:
+            selector = {"matchLabels": svc["spec"].get("selector") or {}}
+            chosen = [r for r in replicas if labels_match(selector, _pod_labels(r.workload))]
+            if not chosen:
                 continue
+            if svc["spec"].get("clusterIP") != "None":
+                chosen = chosen[:1]
             for p in svc["spec"]["ports"]:
-                local = _resolve_port(chosen, p.get("targetPort", p["port"]))
+                local = [_resolve_port(r, p.get("targetPort", p["port"])) for r in chosen]
                 for dns in names:
                     self._targets[(dns, int(p["port"]))] = local
 
     def lookup(self, host: str, port: int) -> int | None:
-        return self._targets.get((host, port))
+        found = self._targets.get((host, port))
+        return found[0] if found else None
+
+    def resolve(self, host: str, port: int) -> list[int]:
+        """The local ports `host` resolves to as a DNS name, with the service port `port`."""
+        return self._targets.get((host, port), [])
 
 
 def _localize(value: str, key: str, own: _Replica, services: _ServiceMap, pod_ip: str) -> str:
@@ -182,7 +186,16 @@ def _localize(value: str, key: str, own: _Replica, services: _ServiceMap, pod_ip
             return f"{LOCAL_HOST}:{own.container_ports[port]}"
         raise ValueError(f"{key}={value!r}: {host}:{port} is neither a Service nor this pod's port")
 
-    value = _HOST_PORT.sub(host_port, value)
+    def item(text: str) -> str:
+        m = _DNS_ADDRESS.match(text)
+        if m is None:
+            return _HOST_PORT.sub(host_port, text)
+        ports = services.resolve(m.group("host"), int(m.group("port")))
+        if not ports:
+            raise ValueError(f"{key}={value!r}: {m.group('host')}:{m.group('port')} names no Service port")
+        return ",".join(f"tcp://{LOCAL_HOST}:{p}" for p in ports)
+
+    value = ",".join(item(part) for part in value.split(","))
     if key.endswith("_PORT") and value.isdigit():
         port = int(value)
         if port not in own.container_ports:

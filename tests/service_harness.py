@@ -28,7 +28,10 @@ class Proc:
 
 @dataclass
 class Cluster:
-    """One router and its workers. `mode` is 'disaggregated' or 'colocated' (with `policy`)."""
+    """Routers and their workers. `mode` is 'disaggregated' or 'colocated' (with `policy`).
+
+    With `num_routers` > 1 every worker registers with every router (`--router-address` lists
+    them all); the first router is `router` (at `base_url`), the others `router-1`, ..."""
 
     tmp: Path
     model: str
@@ -37,6 +40,7 @@ class Cluster:
     transport: str = "tcp"
     num_prefill: int = 1
     num_decode: int = 1
+    num_routers: int = 1
     engine_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     procs: list[Proc] = field(default_factory=list)
@@ -44,9 +48,10 @@ class Cluster:
     secret: str = field(default_factory=lambda: secrets.token_hex(32))
 
     def __post_init__(self) -> None:
-        self.port = free_port()
-        self.control = f"tcp://127.0.0.1:{free_port()}"
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.ports = [free_port() for _ in range(self.num_routers)]
+        self.controls = [f"tcp://127.0.0.1:{free_port()}" for _ in range(self.num_routers)]
+        self.base_urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        self.port, self.control, self.base_url = self.ports[0], self.controls[0], self.base_urls[0]
 
     def _spawn(self, name: str, args: list[str], **kw) -> Proc:
         log = self.tmp / f"{name}.log"
@@ -69,8 +74,9 @@ class Cluster:
         )
 
     def start(self, timeout: float = 180.0) -> Cluster:
-        self.start_router()
-        common = ["--router-address", self.control, "--model", self.model, "--threads", "1",
+        for i in range(self.num_routers):
+            self.start_router(i)
+        common = ["--router-address", ",".join(self.controls), "--model", self.model, "--threads", "1",
                   "--heartbeat-interval", "0.5", *self.engine_args]
         roles = [("decode", i) for i in range(self.num_decode)]
         if self.mode == "disaggregated":
@@ -116,17 +122,23 @@ class Cluster:
         p.popen = self._popen(p.argv, p.log, "a")
         self.wait_ready(timeout)
         return started_at
-    def start_router(self) -> Proc:
-        """(Re)start the router on the cluster's HTTP port and control address."""
-        self.procs = [p for p in self.procs if p.name != "router"]
-        proc = self._spawn("router", ["router", "--port", str(self.port), "--control-address", self.control,
-                                      "--model", self.model, "--heartbeat-timeout", "3", *self.router_args])
-        self.procs.insert(0, self.procs.pop())
+
+    def router_name(self, index: int = 0) -> str:
+        return "router" if index == 0 else f"router-{index}"
+
+    def start_router(self, index: int = 0) -> Proc:
+        """(Re)start router `index` on its HTTP port and control address."""
+        name = self.router_name(index)
+        self.procs = [p for p in self.procs if p.name != name]
+        proc = self._spawn(name, ["router", "--port", str(self.ports[index]), "--control-address",
+                                  self.controls[index], "--model", self.model, "--heartbeat-timeout", "3",
+                                  *self.router_args])
+        self.procs.insert(index, self.procs.pop())
         return proc
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.time() + timeout
-        urls = [self.base_url + "/ready"] + [p.health + "/ready" for p in self.procs if p.health]
+        urls = [u + "/ready" for u in self.base_urls] + [p.health + "/ready" for p in self.procs if p.health]
         while time.time() < deadline:
             for p in self.procs:
                 if p.popen.poll() is not None:

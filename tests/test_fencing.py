@@ -107,16 +107,17 @@ def test_link_thread_death_makes_ready_fail(tiny):
             EngineConfig(model="tiny", num_kv_blocks=64, device="cpu"), loaded=tiny,
         ).start()
         try:
-            assert worker.link.wait_registered(5)
+            assert worker.links.wait_registered(5)
             ready = worker.health.address + "/ready"
             assert httpx.get(ready, timeout=5).status_code == 200
 
             def broken(sock) -> None:
                 raise RuntimeError("injected: the link's socket broke")
 
-            worker.link._flush = broken  # the I/O thread's next turn dies
-            worker.link._wake()
-            assert h.wait_until(lambda: not worker.link.alive, timeout=5)
+            [link] = worker.links.links().values()
+            link._flush = broken  # the I/O thread's next turn dies
+            link._wake()
+            assert h.wait_until(lambda: not worker.links.alive, timeout=5)
             assert httpx.get(ready, timeout=5).status_code == 503
         finally:
             worker.close()
@@ -192,7 +193,7 @@ def _pump_until_ack(worker, sender, timeout: float = 5.0) -> list:
     return []
 
 
-def test_decode_worker_nacks_kv_of_another_epoch_and_its_fence_drops_what_it_holds(tiny):
+def test_decode_worker_nacks_kv_of_another_epoch_and_its_routers_fence_drops_what_it_holds(tiny):
     from pdserve.config.engine import EngineConfig
     from pdserve.config.worker import WorkerOptions
     from pdserve.decode_node.worker import DecodeWorker
@@ -200,7 +201,8 @@ def test_decode_worker_nacks_kv_of_another_epoch_and_its_fence_drops_what_it_hol
 
     worker = DecodeWorker.create(WorkerOptions(worker_id="decode-fence", kv_port=0),
                                  EngineConfig(model="tiny", num_kv_blocks=64), loaded=tiny)
-    worker.epoch = "E1"  # as the link's first Fence would set it
+    router = "tcp://127.0.0.1:5550"
+    worker.links.routes.fence(router, "E1")  # as RouterLinks.poll records the link's first Fence
     try:
         with TcpKVSender(lease_s=5.0) as sender:
             meta, payload = _kv_meta(worker.fingerprint, "stale-1", epoch="E0")
@@ -216,7 +218,8 @@ def test_decode_worker_nacks_kv_of_another_epoch_and_its_fence_drops_what_it_hol
                 worker.poll_io()
                 time.sleep(0.01)
             assert worker.engine.request_ids() == ["current-1"]
-            worker.fence(Fence("the router restarted (test)", "E2"))
+            held = worker.links.routes.fence(router, "E2")  # what RouterLinks.poll puts in the Fence
+            worker.fence(Fence("the router restarted (test)", "E2", router=router, request_ids=held))
             [ack] = _pump_until_ack(worker, sender)
             assert (ack.request_id, ack.ok) == ("current-1", False)
             assert worker.engine.request_ids() == [] and worker.engine.cache_stats()["used_blocks"] == 0

@@ -177,7 +177,7 @@ def test_workers_bind_and_advertise_the_pod_ip(overlay):
     for name in WORKERS:
         env = pod_env(objs, name, pod_ip="10.9.8.7")
         assert env["PDSERVE_HOST"] == env["PDSERVE_ADVERTISE_HOST"] == "10.9.8.7"
-        assert env["PDSERVE_ROUTER_ADDRESS"] == "tcp://pdserve-router-control:5550"
+        assert env["PDSERVE_ROUTER_ADDRESS"] == "dns://pdserve-router-headless:5550"
 
 
 def test_router_control_binds_the_pod_ip_on_its_declared_port(overlay):
@@ -289,6 +289,53 @@ def test_control_service_is_internal_and_reaches_a_router_that_is_not_ready_yet(
         {"matchLabels": svc["spec"]["selector"]},
         _pod_labels(get_object(objs, "Deployment", "pdserve-router")),
     )
+
+
+def test_two_routers_serve_behind_the_http_service_and_a_budget_keeps_one_up(overlay):
+    _, objs = overlay
+    router = get_object(objs, "Deployment", "pdserve-router")
+    assert router["spec"]["replicas"] == 2
+    http = get_object(objs, "Service", "pdserve-router")
+    assert labels_match({"matchLabels": http["spec"]["selector"]}, _pod_labels(router))
+    [budget] = [p for p in objects_of_kind(objs, "PodDisruptionBudget")
+                if labels_match(p["spec"]["selector"], _pod_labels(router))]
+    assert budget["spec"] == {"minAvailable": 1, "selector": budget["spec"]["selector"]}
+    # A rollout surges a new router before an old one goes: never fewer than the replicas.
+    rolling = router["spec"]["strategy"]
+    assert rolling["type"] == "RollingUpdate" and rolling["rollingUpdate"]["maxUnavailable"] == 0
+
+
+def test_workers_register_with_every_router_pod_through_a_headless_service(overlay):
+    from pdserve.config.router_address import RouterAddress, parse_router_addresses
+
+    _, objs = overlay
+    router = get_object(objs, "Deployment", "pdserve-router")
+    headless = get_object(objs, "Service", "pdserve-router-headless")
+    spec = headless["spec"]
+    assert spec["clusterIP"] == "None" and spec.get("type", "ClusterIP") == "ClusterIP"
+    # Router pods resolve before they are ready: they turn ready once workers registered.
+    assert spec["publishNotReadyAddresses"] is True
+    assert labels_match({"matchLabels": spec["selector"]}, _pod_labels(router))
+    [port] = spec["ports"]
+    control = _port_number(_containers(router)[0], "control")
+    assert _port_number(_containers(router)[0], port["targetPort"]) == control == port["port"]
+    for name in WORKERS:
+        env = pod_env(objs, name)
+        assert parse_router_addresses(env["PDSERVE_ROUTER_ADDRESS"]) == (
+            RouterAddress("dns", "pdserve-router-headless", port["port"]),)
+        assert float(env["PDSERVE_ROUTER_RESOLVE_INTERVAL"]) > 0
+
+
+def test_autoscalers_use_per_router_request_counts_that_sum_over_router_pods(overlay):
+    # Each request belongs to one router, so these sum across routers; worker-side gauges (KV
+    # blocks), reported by every router for every worker, would count each worker twice.
+    _, objs = overlay
+    per_router = {"pdserve_router_queue_depth", "pdserve_router_running_requests"}
+    for hpa in objects_of_kind(objs, "HorizontalPodAutoscaler"):
+        for m in hpa["spec"]["metrics"]:
+            assert m["type"] == "Object" and m["object"]["metric"]["name"] in per_router, hpa["metadata"]["name"]
+            assert m["object"]["describedObject"]["name"] == "pdserve-router"
+            assert m["object"]["target"]["type"] == "AverageValue"
 
 
 def _ingress_sources(objs: list[dict[str, Any]], labels: dict[str, str], port: int) -> list[Any]:
@@ -450,13 +497,14 @@ def test_image_copies_every_package_of_the_project(dockerfile):
 # --- translation to local processes (what tests/test_k8s_processes.py runs) -------------------
 
 
-def test_cpu_overlay_translates_to_one_router_two_prefill_two_decode(cpu):
+def test_cpu_overlay_translates_to_two_routers_two_prefill_two_decode(cpu):
     specs = local_process_specs(cpu, pdserve="/venv/bin/pdserve")
     assert sorted(s.component for s in specs) == [
         "decode",
         "decode",
         "prefill",
         "prefill",
+        "router",
         "router",
     ]
     assert all(s.argv == ("/venv/bin/pdserve", s.component) for s in specs)
@@ -473,13 +521,15 @@ def test_translated_processes_use_loopback_and_distinct_ports(cpu):
         ]
 
 
-def test_translated_workers_reach_the_router_control_port(cpu):
+def test_translated_workers_reach_every_routers_control_port(cpu):
+    # The headless Service's name resolves to every router pod: locally, every router's address.
     specs = local_process_specs(cpu, pdserve="pdserve")
-    router = next(s for s in specs if s.component == "router")
-    assert router.env["PDSERVE_CONTROL_ADDRESS"] == f"tcp://127.0.0.1:{router.ports['control']}"
+    routers = [s for s in specs if s.component == "router"]
+    for router in routers:
+        assert router.env["PDSERVE_CONTROL_ADDRESS"] == f"tcp://127.0.0.1:{router.ports['control']}"
     for s in specs:
         if s.component != "router":
-            assert s.env["PDSERVE_ROUTER_ADDRESS"] == router.env["PDSERVE_CONTROL_ADDRESS"]
+            assert s.env["PDSERVE_ROUTER_ADDRESS"] == ",".join(r.env["PDSERVE_CONTROL_ADDRESS"] for r in routers)
             assert s.env["PDSERVE_KV_PORT"] == str(s.ports["kv"])
             assert s.probes["readinessProbe"] == f"http://127.0.0.1:{s.ports['health']}/ready"
 

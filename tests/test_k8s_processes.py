@@ -2,9 +2,10 @@
 
 tests/k8s_render.py turns each container of `kubectl kustomize k8s/overlays/cpu` into a
 process spec (ConfigMap envFrom resolved, pod IP and Service names -> 127.0.0.1, ports
-remapped). This module starts one router, two prefill and two decode workers from those specs
-with `.venv/bin/pdserve`, waits on the readiness probes the manifests declare, sends chat
-requests through the router, then kills a decode worker and drains a prefill worker.
+remapped; the headless Service the workers dial becomes every router's address). This module
+starts two routers, two prefill and two decode workers from those specs with `.venv/bin/pdserve`,
+waits on the readiness probes the manifests declare, sends chat requests through the first
+router, then kills a decode worker and drains a prefill worker.
 
 It needs the real CLI: without `.venv/bin/pdserve` the module fails at import, on purpose.
 """

@@ -21,6 +21,7 @@ from pdserve.worker.loop import model_fingerprint
 CFG = EngineConfig(num_kv_blocks=64, block_size=4)
 OPTIONS = WorkerOptions(host="127.0.0.1", kv_port=0, health_port=0)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
+ROUTER = "tcp://127.0.0.1:5550"
 
 
 @pytest.fixture
@@ -33,6 +34,7 @@ def colocated(tiny):
 @pytest.fixture
 def decode(tiny):
     w = DecodeWorker.create(OPTIONS, CFG, loaded=tiny)
+    w.links.routes.fence(ROUTER, "E1")  # as the first Fence of the router at ROUTER records it
     acks = []
     w.receiver.ack = lambda rid, ok, reason="": acks.append((rid, ok, reason))  # type: ignore[method-assign]
     w.acks = acks
@@ -73,7 +75,8 @@ def transfer(rid: str, prompt: list[int], output: list[int], computed: int, fp) 
                           fp.num_kv_heads, fp.head_dim)
     meta = KVTransfer(request_id=rid, prefill_worker_id="p", prompt_token_ids=tuple(prompt),
                       output_token_ids=tuple(output), sampling=GREEDY, num_computed_tokens=computed,
-                      fingerprint=fp, tensor=describe(payload, with_checksum=False), transport="tcp")
+                      fingerprint=fp, tensor=describe(payload, with_checksum=False), transport="tcp",
+                      epoch="E1")
     return ReceivedKV(meta, payload, ok=True)
 
 

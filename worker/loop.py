@@ -1,8 +1,9 @@
 """What every worker process shares: registration, probes, the engine loop, drain on SIGTERM.
 
 The loop is `drain inputs -> step -> publish outputs -> save KV`; sockets live on their own
-threads (WorkerLink for the router, the KV transport's I/O thread), so the loop only touches
-queues and the engine's public methods. Subclasses (prefill_node/, decode_node/,
+threads (RouterLinks' WorkerLink per router, the KV transport's I/O thread), so the loop only
+touches queues and the engine's public methods. Every request belongs to the router that gave it
+(worker/routes.py): its tokens go there, and only that router's Abort or Fence drops it. Subclasses (prefill_node/, decode_node/,
 worker/colocated.py) say how work is accepted and what extra I/O to poll.
 """
 
@@ -19,6 +20,7 @@ from abc import ABC, abstractmethod
 
 from pdserve.config.engine import EngineConfig
 from pdserve.config.log_limits import RateLimitedLog
+from pdserve.config.router_address import parse_router_addresses
 from pdserve.config.worker import WorkerOptions
 from pdserve.engine.engine import Engine, EngineLoad, RequestOutput, RequestRejected
 from pdserve.model.weights import LoadedModel
@@ -35,9 +37,12 @@ from pdserve.protocol.messages import (
     TokenEvents,
 )
 from pdserve.worker.health import HealthServer
-from pdserve.worker.router_link import Fence, WorkerLink
+from pdserve.worker.router_link import Fence
+from pdserve.worker.router_links import RouterLinks
 
 log = logging.getLogger(__name__)
+
+ROUTES_SWEEP_SECONDS = 1.0  # how often the routes of finished requests are forgotten
 
 
 def default_worker_id(role: str) -> str:
@@ -76,8 +81,11 @@ class Worker(ABC):
         self._last_tick = time.monotonic()
         self._load: EngineLoad = engine.load()
         self.health = HealthServer(options.host, options.health_port, self._live, self._ready, self.info)
-        self.link: WorkerLink | None = None
-        self.epoch = ""  # the router epoch of the work we hold (set by the link's Fence items)
+        self.links = RouterLinks(parse_router_addresses(options.router_address), self._heartbeat,
+                                 options.heartbeat_interval, auth=FrameAuth.from_secret(options.secret),
+                                 resolve_interval=options.router_resolve_interval)
+        self._started = False
+        self._next_sweep = 0.0
 
     # --- subclass hooks --------------------------------------------------------------------
     @abstractmethod
@@ -93,6 +101,10 @@ class Worker(ABC):
 
     def busy(self) -> bool:
         return self.engine.has_unfinished()
+
+    def held_request_ids(self) -> set[str]:
+        """Every request this worker may still emit an event for (the rest lose their route)."""
+        return set(self.engine.request_ids())
 
     def after_step(self) -> None:
         """Runs after each engine step's events are published and its KV saved."""
@@ -116,9 +128,9 @@ class Worker(ABC):
             max_model_len=self.engine.max_model_len,
             kv_transports=self.options.kv_transports, host_id=self.host_id,
         )
-        self.link = WorkerLink(self.options.router_address, reg, self._heartbeat, self.options.heartbeat_interval,
-                               auth=FrameAuth.from_secret(self.options.secret)).start()
-        log.info("%s %s: health %s, kv %r, router %s", self.role, self.worker_id, self.health.address,
+        self.links.start(reg)
+        self._started = True
+        log.info("%s %s: health %s, kv %r, routers %s", self.role, self.worker_id, self.health.address,
                  self.kv_address(), self.options.router_address)
         return self
 
@@ -137,10 +149,10 @@ class Worker(ABC):
 
     def run(self) -> None:
         """The engine loop; returns after a drain or stop()."""
-        assert self.link is not None, "start() first"
+        assert self._started, "start() first"
         drain_deadline = None
         while not self._stop.is_set():
-            for work in self.link.poll():
+            for work in self.links.poll():
                 self._accept_safely(work)
             self._guarded("transport poll", self.poll_io)
             self._guarded("block reclaim", self.engine.reclaim)
@@ -173,8 +185,7 @@ class Worker(ABC):
 
     def close(self) -> None:
         self.close_io()
-        if self.link is not None:
-            self.link.close()
+        self.links.close()
         self.health.close()
 
     # --- internals -------------------------------------------------------------------------
@@ -200,12 +211,14 @@ class Worker(ABC):
             self._log_failure("%s %s: %s failed: %r", self.role, self.worker_id, what, exc, key=what)
 
     def fence(self, fence: Fence) -> None:
-        """Drop every request: the router that gave them is gone (or was replaced)."""
-        self.epoch = fence.epoch
-        ids = self.engine.request_ids()
-        if ids:
-            log.warning("%s %s: fence (%s): aborting %d requests", self.role, self.worker_id, fence.reason, len(ids))
-        self.abort(tuple(ids))
+        """Drop one router's requests: that router is gone (or was replaced); the others' stay."""
+        if fence.request_ids:
+            log.warning("%s %s: fence of router %s (%s): aborting its %d requests: %s", self.role, self.worker_id,
+                        fence.router, fence.reason, len(fence.request_ids), ",".join(fence.request_ids[:8]))
+        else:  # e.g. a router's first epoch
+            log.debug("%s %s: fence of router %s (%s): it held no requests", self.role, self.worker_id,
+                      fence.router, fence.reason)
+        self.abort(fence.request_ids)
 
     def _handle(self, work) -> None:
         if isinstance(work, Fence):
@@ -242,8 +255,8 @@ class Worker(ABC):
             ))
 
     def _flush(self) -> None:
-        if self._pending_events and self.link is not None:
-            self.link.send_events(TokenEvents(worker_id=self.worker_id, events=tuple(self._pending_events)))
+        if self._pending_events:
+            self.links.send_events(TokenEvents(worker_id=self.worker_id, events=tuple(self._pending_events)))
             self._pending_events = []
 
     def _fail_running(self, message: str) -> None:
@@ -259,8 +272,11 @@ class Worker(ABC):
             self.emit(error_event(rid, message, retry=retry))
 
     def _tick(self) -> None:
-        self._last_tick = time.monotonic()
+        self._last_tick = now = time.monotonic()
         self._load = self.engine.load()
+        if now >= self._next_sweep:  # after the turn's flush: no event of a dropped route is pending
+            self._next_sweep = now + ROUTES_SWEEP_SECONDS
+            self.links.retain(self.held_request_ids())
 
     def _heartbeat(self) -> Heartbeat:
         load = self._load
@@ -275,7 +291,7 @@ class Worker(ABC):
         return time.monotonic() - self._last_tick < self.options.stuck_after
 
     def _ready(self) -> bool:
-        return self.link is not None and self.link.alive and self.link.registered and not self._draining
+        return self._started and self.links.alive and self.links.registered and not self._draining
 
     def info(self) -> dict:
         c = self.engine.counters
@@ -285,5 +301,5 @@ class Worker(ABC):
             "prefill_tokens": c.prefill_tokens, "decode_tokens": c.decode_tokens,
             "steps_with_prefill": c.steps_with_prefill, "preemptions": c.preemptions,
             **self.engine.cache_stats(), "running": self._load.running, "waiting": self._load.waiting,
-            "kv_bytes_sent": sent, "kv_bytes_received": received,
+            "kv_bytes_sent": sent, "kv_bytes_received": received, "routers": self.links.describe(),
         }

@@ -55,10 +55,16 @@ ROUTER_LOST_HEARTBEATS = 3  # silent heartbeat intervals before the router count
 
 @dataclass(frozen=True, slots=True)
 class Fence:
-    """Drop every request: they belong to a router that is gone (`epoch` is the new one, or '')."""
+    """Drop the requests of a router that is gone (`epoch` is its new one, or '').
+
+    A WorkerLink serves one router, so its Fence means all of that router's requests; RouterLinks
+    (worker/router_links.py) names the router and exactly its `request_ids` before the worker
+    sees it."""
 
     reason: str
     epoch: str
+    router: str = ""
+    request_ids: tuple[str, ...] = ()
 
 
 Work = PrefillRequest | GenerateRequest | Abort | Fence
@@ -169,6 +175,7 @@ class WorkerLink:
         sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
         sock.setsockopt(zmq.LINGER, 1000)  # lets the Goodbye out on close
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        sock.setsockopt(zmq.IPV6, 1)  # a dns:// router address may resolve to IPv6 ones
         sock.connect(self.router_address)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -200,7 +207,7 @@ class WorkerLink:
                     self._receive(sock)
         except Exception:
             self._failed = True
-            log.exception("worker %s: control link failed", self.worker_id)
+            log.exception("worker %s: control link to the router at %s failed", self.worker_id, self.router_address)
         finally:
             sock.close()
 
@@ -236,9 +243,9 @@ class WorkerLink:
         silent = now - self._last_heard
         # At the heartbeat due N intervals after the last answer, N-1 heartbeats went unanswered.
         if self._unanswered >= ROUTER_LOST_HEARTBEATS - 1 and silent >= 0.95 * ROUTER_LOST_HEARTBEATS * self.heartbeat_interval:
-            log.error("worker %s: the router answered none of %d heartbeats (%.1f s); dropping its "
-                      "work and registering again", self.worker_id, self._unanswered, silent)
-            self._fence(f"lost the router (silent for {silent:.1f} s)", "", lost_work=True)
+            log.error("worker %s: the router at %s answered none of %d heartbeats (%.1f s); dropping its "
+                      "work and registering again", self.worker_id, self.router_address, self._unanswered, silent)
+            self._fence(f"lost the router at {self.router_address} (silent for {silent:.1f} s)", "", lost_work=True)
             self._router_answers_heartbeats = False
             self._registered.clear()
             self._next_register = now
@@ -262,13 +269,14 @@ class WorkerLink:
             return
         old = self.epoch
         if old:
-            log.warning("worker %s: the router's epoch changed (%s -> %s): it restarted",
-                        self.worker_id, old, epoch)
+            log.warning("worker %s: the epoch of the router at %s changed (%s -> %s): it restarted",
+                        self.worker_id, self.router_address, old, epoch)
             self._registered.clear()
             self._next_register = 0.0
         # The first epoch (or the first after a loss) also goes through the inbox: the engine
         # loop takes its epoch from there, in order with the work.
-        self._fence(f"the router restarted (epoch {old} -> {epoch})" if old else f"router epoch {epoch}",
+        self._fence(f"the router at {self.router_address} restarted (epoch {old} -> {epoch})" if old
+                    else f"router {self.router_address} epoch {epoch}",
                     epoch, lost_work=bool(old))
 
     def _receive(self, sock: zmq.Socket) -> None:
@@ -306,8 +314,8 @@ class WorkerLink:
             return
         if len(self._inbox) >= MAX_INBOX and not isinstance(msg, Abort):
             self.inbox_dropped += 1
-            _log_bad("worker %s: inbox full (%d); request %s refused", self.worker_id, MAX_INBOX,
-                     msg.request_id)
+            _log_bad("worker %s: inbox full (%d); request %s from the router at %s refused", self.worker_id,
+                     MAX_INBOX, msg.request_id, self.router_address)
             error = TokenEvent(request_id=msg.request_id, token_ids=(), finish_reason="error",
                                error="worker overloaded (inbox full); retry")
             self._send(sock, TokenEvents(worker_id=self.worker_id, events=(error,)))
@@ -332,8 +340,8 @@ class WorkerLink:
             # queued while it was down): register once, and let the retry timer repeat it.
             if self._registered.is_set():
                 log.warning(
-                    "worker %s: the router does not know us (restarted?); registering again",
-                    self.worker_id,
+                    "worker %s: the router at %s does not know us (restarted?); registering again",
+                    self.worker_id, self.router_address,
                 )
                 self._registered.clear()
                 self._send(sock, self.register)
@@ -342,8 +350,10 @@ class WorkerLink:
             self.refused_reason = ack.reason
             self._registered.clear()
             self._next_register = float("inf")  # retrying the same Register would be refused again
-            log.error("worker %s: the router refused registration: %s", self.worker_id, ack.reason)
+            log.error("worker %s: the router at %s refused registration: %s", self.worker_id, self.router_address,
+                      ack.reason)
 
     def _bad(self, why: str) -> None:
         self.bad_messages += 1
-        _log_bad("worker %s: control frame from the router dropped: %s", self.worker_id, why, key="bad")
+        _log_bad("worker %s: control frame from the router at %s dropped: %s", self.worker_id, self.router_address,
+                 why, key="bad")
