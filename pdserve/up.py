@@ -53,6 +53,9 @@ def register(sub) -> None:
     p.add_argument("--ready-timeout", type=float, default=env_default("ready-timeout", 600.0))
     p.add_argument("--restart-backoff", type=float, default=env_default("restart-backoff", 1.0),
                    help="seconds before a dead child is started again (doubles while it keeps dying)")
+    p.add_argument("--drain-timeout", type=float, default=env_default("drain-timeout", 20.0),
+                   help="seconds a stopping worker (or the router) finishes its requests; the router moves what a "
+                        "worker leaves unfinished to another")
     add_engine_arguments(p)
     p.set_defaults(func=run)
 
@@ -62,7 +65,7 @@ def plan(args) -> list[tuple[str, list[str], int | None]]:
     base = [sys.executable, "-m", "pdserve", "--log-level", logging.getLevelName(logging.getLogger().level)]
     control = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
     router = [*base, "router", "--host", args.host, "--port", str(args.port), "--control-address", control,
-              "--model", args.model, "--kv-transport", "auto"]
+              "--model", args.model, "--kv-transport", "auto", "--drain-timeout", str(args.drain_timeout)]
     if args.api_key:
         router += ["--api-key", args.api_key]
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
@@ -90,7 +93,7 @@ def plan(args) -> list[tuple[str, list[str], int | None]]:
     for n, (role, i) in enumerate(roles):
         transports = (args.kv_transport,) if role == "decode" else KV_TRANSPORTS
         options = WorkerOptions(router_address=control, host="127.0.0.1", kv_transports=transports,
-                                worker_id=f"{role}-{i}")
+                                worker_id=f"{role}-{i}", drain_timeout=args.drain_timeout)
         cmd = [*base, role, *worker_argv(options), *engine]
         if role == "decode" and args.colocated:
             cmd += ["--mode", "colocated", "--policy", args.policy,
