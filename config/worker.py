@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pdserve.config.engine import ConfigError, add_engine_arguments
 from pdserve.config.env import env_default
 from pdserve.config.names import KV_TRANSPORTS
+from pdserve.config.tracing import add_tracing_arguments
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ def add_worker_arguments(p: argparse.ArgumentParser, kv_port: int, health_port: 
                    help="seconds to finish in-flight requests after SIGTERM")
     g.add_argument("--heartbeat-interval", type=float, default=env_default("heartbeat-interval", 1.0))
     add_secret_arguments(g)
+    add_tracing_arguments(p)
     add_engine_arguments(p)
 
 

@@ -25,6 +25,7 @@ from pdserve.model.weights import LoadedModel, load_model
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import ModelFingerprint
 from pdserve.worker.loop import Worker, error_event, model_fingerprint
+from pdserve.worker.tracing import KV_ADMIT
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class DecodeWorker(Worker):
         for rid in self.kv_in.expired():
             self.kv_in.give_up(rid, "no KV space on the decode worker")
             self.engine.abort([rid])
+            self.spans.aborted([rid], "no KV space before the transfer's lease ran out")
             self.emit(error_event(rid, "decode worker out of KV space"))
         self._send_acks()
 
@@ -111,11 +113,13 @@ class DecodeWorker(Worker):
             return
         self.kv_in.expect(rkv)
         try:
-            self.engine.add_request(meta.request_id, list(meta.prompt_token_ids), meta.sampling,
-                                    meta.arrival_time or None, output_token_ids=list(meta.output_token_ids))
+            req = self.engine.add_request(meta.request_id, list(meta.prompt_token_ids), meta.sampling,
+                                          meta.arrival_time or None, output_token_ids=list(meta.output_token_ids))
         except (RequestRejected, ValueError) as exc:
             self.kv_in.arrived.pop(meta.request_id, None)
             self._refuse(rkv, str(exc))
+            return
+        self.spans.started(meta.request_id, meta.trace_context, req, KV_ADMIT)
 
     def _refuse(self, rkv: ReceivedKV, reason: str) -> None:
         rid = rkv.meta.request_id

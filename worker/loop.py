@@ -36,6 +36,7 @@ from pdserve.protocol.messages import (
 )
 from pdserve.worker.health import HealthServer
 from pdserve.worker.router_link import Fence, WorkerLink
+from pdserve.worker.tracing import NO_SPANS, NoSpans, worker_spans
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class Worker(ABC):
         self.health = HealthServer(options.host, options.health_port, self._live, self._ready, self.info)
         self.link: WorkerLink | None = None
         self.epoch = ""  # the router epoch of the work we hold (set by the link's Fence items)
+        self.spans: NoSpans = NO_SPANS  # request spans (worker/tracing.py), set at start()
 
     # --- subclass hooks --------------------------------------------------------------------
     @abstractmethod
@@ -109,6 +111,7 @@ class Worker(ABC):
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> Worker:
+        self.spans = worker_spans(self.worker_id)  # after tracing's setup, before any work
         self.health.start()
         reg = Register(
             worker_id=self.worker_id, role=self.role, kv_address=self.kv_address(),  # type: ignore[arg-type]
@@ -145,6 +148,7 @@ class Worker(ABC):
             self._guarded("transport poll", self.poll_io)
             self._guarded("block reclaim", self.engine.reclaim)
             if self.engine.has_unfinished():
+                step_started = time.time_ns()
                 try:
                     outputs = self.engine.step()
                 except Exception:  # a bug must cost the requests in flight, not the worker
@@ -152,6 +156,7 @@ class Worker(ABC):
                     self._fail_running("internal error in the engine step")
                     outputs = []
                 self._publish(outputs)
+                self.spans.stepped(step_started, outputs)  # before save_kv: the KV carries its span
                 # The step's tokens leave before its KV is saved: a first token never waits on
                 # its transfer.
                 self._flush()
@@ -172,6 +177,7 @@ class Worker(ABC):
         self.close()
 
     def close(self) -> None:
+        self.spans.clear("worker stopped")
         self.close_io()
         if self.link is not None:
             self.link.close()
@@ -206,6 +212,7 @@ class Worker(ABC):
         if ids:
             log.warning("%s %s: fence (%s): aborting %d requests", self.role, self.worker_id, fence.reason, len(ids))
         self.abort(tuple(ids))
+        self.spans.clear(f"fenced: {fence.reason}")
 
     def _handle(self, work) -> None:
         if isinstance(work, Fence):
@@ -213,6 +220,7 @@ class Worker(ABC):
             return
         if isinstance(work, Abort):
             self.abort(work.request_ids)
+            self.spans.aborted(work.request_ids)
             return
         if self._draining:
             self.emit(error_event(work.request_id, "worker is draining; retry"))
@@ -248,12 +256,14 @@ class Worker(ABC):
     def _fail_running(self, message: str) -> None:
         ids = self.engine.request_ids(running_only=True)
         self.engine.abort(ids)
+        self.spans.aborted(ids, message)
         for rid in ids:
             self.emit(error_event(rid, message))
 
     def _fail_all(self, message: str) -> None:
         ids = self.engine.request_ids()
         self.engine.abort(ids)
+        self.spans.aborted(ids, message)
         for rid in ids:
             self.emit(error_event(rid, message))
 
