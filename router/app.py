@@ -194,7 +194,7 @@ async def _generate(
     svc = _service(request)
     arrival = time.monotonic()
     request_id = id_prefix + uuid.uuid4().hex
-    trace = request_trace(request_id, request.url.path)
+    trace = request_trace(request_id, request.scope["path"])
     slot = None
     state: RequestState | None = None
     try:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 # The router's statuses that are not an error of the service: the request ran its course, or
 # its client left (499, nginx's "client closed request").
 _FINISHED, _ABORTED = "200", "499"
+_NOTHING = contextlib.nullcontext()  # reusable: tracing off allocates nothing per request
 
 
 class NoTrace:
@@ -38,10 +39,9 @@ class NoTrace:
     def describe(self, *, model: str, n: int, prompt_tokens: int, max_tokens: int, stream: bool) -> None:
         """The request's shape, once it is parsed and tokenized."""
 
-    @contextlib.contextmanager
-    def span(self, name: str) -> Iterator[None]:
+    def span(self, name: str) -> contextlib.AbstractContextManager[None]:
         """A child span of the request around a phase (tokenize, route)."""
-        yield
+        return _NOTHING
 
     def routed(self, choices: Sequence[Choice]) -> None:
         """Which workers the choices went to."""
@@ -89,8 +89,11 @@ class RequestTrace(NoTrace):
         self._root.set_attributes({"model": model, "n": n, "prompt_tokens": prompt_tokens,
                                    "max_tokens": max_tokens, "stream": stream})
 
+    def span(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return self._span(name)
+
     @contextlib.contextmanager
-    def span(self, name: str) -> Iterator[None]:
+    def _span(self, name: str) -> Iterator[None]:
         span = self._tracer.start_span(name, context=self._ctx)
         try:
             yield
