@@ -1,6 +1,7 @@
 """Traces across real processes: router, one prefill and two decode workers, all appending to one
 --trace-file. A disaggregated request is one trace whose spans hang where docs/tracing.md says;
-a request whose decode worker is killed mid-stream shows the migration and its second dispatch."""
+a request whose decode worker is killed mid-stream shows the migration and its second dispatch;
+a colocated worker's spans hang under the router's dispatch."""
 
 from __future__ import annotations
 
@@ -26,6 +27,17 @@ def cluster(tiny_dir, tmp_path_factory):
     spans = str(tmp / "spans.jsonl")  # one file for every process: each appends whole lines
     c = Cluster(tmp, str(tiny_dir), num_prefill=1, num_decode=2, router_args=("--trace-file", spans),
                 engine_args=("--trace-file", spans, "--drain-timeout", "2"))
+    c.spans_path = Path(spans)  # type: ignore[attr-defined]
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def colocated(tiny_dir, tmp_path):
+    spans = str(tmp_path / "spans.jsonl")
+    c = Cluster(tmp_path, str(tiny_dir), mode="colocated", num_decode=1, router_args=("--trace-file", spans),
+                engine_args=("--trace-file", spans))
     c.spans_path = Path(spans)  # type: ignore[attr-defined]
     c.start()
     yield c
@@ -93,7 +105,7 @@ def test_a_disaggregated_request_is_one_trace_across_router_prefill_and_decode(c
 
 
 def test_a_migrated_request_has_a_migration_and_a_second_dispatch_under_its_root(cluster):
-    body = {"model": model_id(cluster), "prompt": "migrate and trace " * 3, "max_tokens": 1200,
+    body = {"model": model_id(cluster), "prompt": "migrate and trace " * 3, "max_tokens": 600,
             "temperature": 0, "ignore_eos": True, "stream": True}
     request_id, chunks, errors, victim = "", 0, [], None
     with httpx.stream("POST", cluster.base_url + "/v1/completions", json=body, timeout=120) as r:
@@ -120,7 +132,7 @@ def test_a_migrated_request_has_a_migration_and_a_second_dispatch_under_its_root
     root = one(spans, "request")
     first, second = one(spans, "dispatch", attempt=0), one(spans, "dispatch", attempt=1)
     migration = one(spans, "migration")
-    assert root["attributes"]["outcome"] == "finished" and root["attributes"]["completion_tokens"] == 1200
+    assert root["attributes"]["outcome"] == "finished" and root["attributes"]["completion_tokens"] == 600
     assert {first["parent_span_id"], second["parent_span_id"], migration["parent_span_id"]} == {root["span_id"]}
 
     assert first["attributes"]["decode_worker_id"] == victim and first["attributes"]["outcome"] == "migrated"
@@ -145,3 +157,19 @@ def test_a_migrated_request_has_a_migration_and_a_second_dispatch_under_its_root
     # Whatever the killed worker had written stays under the first dispatch's kv_send.
     first_kv = one([s for s in spans if s["parent_span_id"] == first["span_id"]], "kv_send")
     assert {s["attributes"]["worker_id"] for s in spans if s["parent_span_id"] == first_kv["span_id"]} <= {victim}
+
+
+def test_a_colocated_request_runs_queue_prefill_decode_under_the_dispatch(colocated):
+    r = httpx.post(colocated.base_url + "/v1/chat/completions", timeout=60,
+                   json={"model": model_id(colocated), "messages": [{"role": "user", "content": "trace me"}],
+                         "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200
+    worker_spans = {"queue", "prefill", "decode"}
+    spans = trace_of(colocated, r.json()["id"], lambda s: names(s) >= ROUTER_SPANS | worker_spans)
+    dispatch = one(spans, "dispatch")
+    assert dispatch["attributes"]["mode"] == "colocated" and dispatch["attributes"]["worker_id"] == "decode-0"
+    for name in worker_spans:
+        span = one(spans, name)
+        assert span["parent_span_id"] == dispatch["span_id"], name
+        assert (span["service"], span["attributes"]["request_id"]) == ("pdserve-colocated", r.json()["id"] + "-0")
+    assert one(spans, "decode")["attributes"]["output_tokens"] == 6
