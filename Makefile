@@ -31,7 +31,7 @@ test: $(STAMP)          ## the CI test suite
 
 # mypy cannot follow pdserve's package-dir mapping, so it checks a tree of links laid out as the
 # wheel installs it: build/typecheck/pdserve/<folder> -> <folder>.
-PACKAGES := protocol config text model kernels engine kvtransfer worker prefill_node decode_node router bench
+PACKAGES := protocol config telemetry text model kernels engine kvtransfer worker prefill_node decode_node router bench
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -16,6 +16,7 @@ from pdserve.config.engine import ConfigError, add_engine_arguments
 from pdserve.config.env import add_env_argument, env_default
 from pdserve.config.names import KV_TRANSPORTS
 from pdserve.config.router_address import parse_router_addresses
+from pdserve.config.tracing import add_tracing_arguments
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ def add_worker_arguments(p: argparse.ArgumentParser, kv_port: int, health_port: 
                    help="seconds to finish in-flight requests after SIGTERM")
     g.add_argument("--heartbeat-interval", type=float, default=env_default("heartbeat-interval", 1.0))
     add_secret_arguments(g)
+    add_tracing_arguments(p)
     add_engine_arguments(p)
 
 

@@ -31,6 +31,7 @@ from pdserve.model.weights import LoadedModel, load_model
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import GenerateRequest, ModelFingerprint
 from pdserve.worker.loop import Worker, error_event, model_fingerprint
+from pdserve.worker.tracing import KV_ADMIT
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class DecodeWorker(Worker):
         for rid in self.kv_in.expired():
             self.kv_in.give_up(rid, "lease expired: no KV space on the decode worker in time")
             self.engine.abort([rid])
+            self.spans.aborted([rid], "no KV space before the transfer's lease ran out")
             self.emit(error_event(rid, "decode worker out of KV space", retry="kv_lease_expired"))
         self._send_acks()
 
@@ -130,11 +132,13 @@ class DecodeWorker(Worker):
             return
         self.kv_in.expect(rkv)
         try:
-            self.engine.add_request(meta.request_id, list(meta.prompt_token_ids), meta.sampling,
-                                    meta.arrival_time or None, output_token_ids=list(meta.output_token_ids))
+            req = self.engine.add_request(meta.request_id, list(meta.prompt_token_ids), meta.sampling,
+                                          meta.arrival_time or None, output_token_ids=list(meta.output_token_ids))
         except (RequestRejected, ValueError) as exc:
             self.kv_in.arrived.pop(meta.request_id, None)
             self._refuse(rkv, str(exc))
+            return
+        self.spans.started(meta.request_id, meta.trace_context, req, KV_ADMIT)
 
     def _nack(self, rid: str, reason: str) -> None:
         """Refuse a transfer without a word to any router (it is not one of ours to tell)."""

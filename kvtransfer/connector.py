@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -70,6 +71,10 @@ class HandoffResult(NamedTuple):
     reason: str
 
 
+def _untraced(request_id: str) -> str:
+    return ""
+
+
 def first_token_only(sampling: SamplingParams, num_generated: int = 0) -> SamplingParams:
     """What a prefill engine runs: the same sampling, stopped after its next token (the first,
     or the one after `num_generated` already generated elsewhere)."""
@@ -96,6 +101,8 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
         self._released: list[str] = []
         self._failed: list[HandoffResult] = []  # saves that never left
         self._senders: dict[str, KVSender] = {}
+        # The `traceparent` each KVTransfer carries (the worker's kv_send span; "" : untraced).
+        self.trace_context: Callable[[str], str] = _untraced
 
     # --- the prefill worker's side -----------------------------------------------------------
     def expect(self, request_id: str, target: HandoffTarget) -> None:
@@ -180,6 +187,7 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
             sampling=target.sampling, num_computed_tokens=req.num_computed_tokens,
             fingerprint=self.fingerprint, tensor=describe(payload, with_checksum=False),
             transport=target.transport, arrival_time=req.arrival_time, epoch=target.epoch,
+            trace_context=self.trace_context(req.request_id),
         )
         target.sent_at, target.nbytes = time.time(), payload.numel() * payload.element_size()
         self.in_flight[req.request_id] = target

@@ -28,6 +28,7 @@ from pdserve.config.engine import (
 from pdserve.config.env import env_default
 from pdserve.config.names import COLOCATED_POLICIES, KV_TRANSPORTS
 from pdserve.config.ports import free_port
+from pdserve.config.tracing import add_tracing_arguments, tracing_argv, tracing_options
 from pdserve.config.worker import SECRET_ENV, WorkerOptions, worker_argv
 from pdserve.protocol.auth import new_secret
 from pdserve.supervisor import Supervisor
@@ -56,6 +57,7 @@ def register(sub) -> None:
     p.add_argument("--drain-timeout", type=float, default=env_default("drain-timeout", 20.0),
                    help="seconds a stopping worker (or the router) finishes its requests; the router moves what a "
                         "worker leaves unfinished to another")
+    add_tracing_arguments(p)  # each child gets the same; a trace file of its own (config/tracing.py)
     add_engine_arguments(p)
     p.set_defaults(func=run)
 
@@ -68,6 +70,8 @@ def plan(args) -> list[tuple[str, list[str], int | None]]:
               "--model", args.model, "--kv-transport", "auto", "--drain-timeout", str(args.drain_timeout)]
     if args.api_key:
         router += ["--api-key", args.api_key]
+    traces = tracing_options(args)
+    router += tracing_argv(traces, "router")
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     if args.colocated:
         # One engine does everything: give it every core (threads), pin nothing.
@@ -94,7 +98,7 @@ def plan(args) -> list[tuple[str, list[str], int | None]]:
         transports = (args.kv_transport,) if role == "decode" else KV_TRANSPORTS
         options = WorkerOptions(router_address=control, host="127.0.0.1", kv_transports=transports,
                                 worker_id=f"{role}-{i}", drain_timeout=args.drain_timeout)
-        cmd = [*base, role, *worker_argv(options), *engine]
+        cmd = [*base, role, *worker_argv(options), *engine, *tracing_argv(traces, f"{role}-{i}")]
         if role == "decode" and args.colocated:
             cmd += ["--mode", "colocated", "--policy", args.policy,
                     "--waiting-served-ratio", str(args.waiting_served_ratio)]

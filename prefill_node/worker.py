@@ -24,6 +24,7 @@ from pdserve.model.weights import LoadedModel, load_model
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import ModelFingerprint, PrefillRequest
 from pdserve.worker.loop import Worker, default_worker_id, error_event, model_fingerprint
+from pdserve.worker.tracing import QUEUE
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +62,21 @@ class PrefillWorker(Worker):
         if work.kv_transport not in self.options.kv_transports:
             raise ValueError(f"KV transport {work.kv_transport!r} is not enabled on this worker")
         generated = list(work.output_token_ids)
-        self.engine.add_request(work.request_id, list(work.token_ids),
-                                first_token_only(work.sampling, len(generated)), work.arrival_time or None,
-                                output_token_ids=generated)
+        req = self.engine.add_request(work.request_id, list(work.token_ids),
+                                      first_token_only(work.sampling, len(generated)), work.arrival_time or None,
+                                      output_token_ids=generated)
         # The KV carries the epoch of the router this request came from: the decode worker routes
         # the rest of its tokens there, and refuses it once that router is gone.
         routes = self.links.routes
         epoch = routes.epoch_of(routes.owner(work.request_id))
         self.handoff.expect(work.request_id,
                             HandoffTarget(work.decode_kv_address, work.kv_transport, work.sampling, epoch))
+        self.spans.started(work.request_id, work.trace_context, req, QUEUE)
+
+    def start(self) -> PrefillWorker:
+        super().start()
+        self.handoff.trace_context = self.spans.kv_context  # each KVTransfer names its kv_send span
+        return self
 
     def busy(self) -> bool:
         return self.engine.has_unfinished() or bool(self.handoff.in_flight)
@@ -79,6 +86,7 @@ class PrefillWorker(Worker):
 
     def poll_io(self) -> None:
         for result in self.handoff.poll_acks():
+            self.spans.kv_acked(result.request_id, result.ok, result.reason)
             if not result.ok:
                 log.warning("request %s: KV hand-off failed: %s", result.request_id, result.reason)
                 cause = "kv_lease_expired" if "lease" in result.reason else "kv_failed"

@@ -41,6 +41,7 @@ from pdserve.router.registry import Hasher
 from pdserve.router.render import ChatRenderer, CompletionRenderer, Renderer, make_usage
 from pdserve.router.requests import RequestState
 from pdserve.router.service import RouterConfig, RouterService
+from pdserve.router.tracing import request_trace
 from pdserve.text.loader import default_detokenizer_factory
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,7 @@ async def _generate(
     svc = _service(request)
     arrival = time.monotonic()
     request_id = id_prefix + uuid.uuid4().hex
+    trace = request_trace(request_id, request.scope["path"])
     slot = None
     state: RequestState | None = None
     try:
@@ -201,13 +203,18 @@ async def _generate(
         body = await read_body(request, svc.config.max_body_bytes)
         req = parse_request(body, kind)
         svc.check_model(req.model)
-        prompt_ids, prompt_param = await svc.prompt_ids(req, len(body))
+        with trace.span("tokenize"):
+            prompt_ids, prompt_param = await svc.prompt_ids(req, len(body))
         params = svc.sampling_params(req, len(prompt_ids), prompt_param)
         want_logprobs = params[0].logprobs is not None
-        await svc.prefix_hashes(prompt_ids)
-        state = svc.submit(
-            request_id, prompt_ids, params, stop_strings(req), want_logprobs, arrival
-        )
+        trace.describe(model=req.model, n=len(params), prompt_tokens=len(prompt_ids),
+                       max_tokens=params[0].max_tokens, stream=bool(req.stream))
+        with trace.span("route"):  # prefix hashes for routing, workers picked, work sent
+            await svc.prefix_hashes(prompt_ids)
+            state = svc.submit(
+                request_id, prompt_ids, params, stop_strings(req), want_logprobs, arrival, trace
+            )
+            trace.routed(state.choices)
         renderer = renderer_cls(
             request_id, svc.config.served_model_name, len(params), svc.tokenizer, want_logprobs
         )
@@ -215,12 +222,14 @@ async def _generate(
         if slot is not None:
             slot.release()
         svc.metrics.requests.labels(str(exc.status)).inc()
+        trace.end(str(exc.status))
         _log_refused("request %s refused: %d %s", request_id, exc.status, exc.message)
         return exc.response()
     except ClientDisconnect:
         if slot is not None:
             slot.release()
         svc.metrics.requests.labels(str(CLIENT_GONE)).inc()
+        trace.end(str(CLIENT_GONE))
         _log_gone("request %s: client went away while sending its body", request_id)
         return Response(status_code=CLIENT_GONE)
     except Exception:  # a bug: answer 500, and never keep the slot nor the workers busy
@@ -229,12 +238,14 @@ async def _generate(
             state.close("500")
         else:
             svc.metrics.requests.labels("500").inc()
+        trace.end("500")  # a no-op once state.close ended it
         if slot is not None:
             slot.release()
         return APIError(500, "internal server error; see the router's log").response()
     except BaseException:  # cancelled: the same release, then let the cancellation go on
         if state is not None:
             state.close(str(CLIENT_GONE))
+        trace.end(str(CLIENT_GONE))
         if slot is not None:
             slot.release()
         raise

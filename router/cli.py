@@ -10,13 +10,17 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
+import socket
 import sys
 from typing import Any
 
 from pdserve.config.engine import ConfigError
 from pdserve.config.env import add_env_argument, env_default
+from pdserve.config.tracing import add_tracing_arguments, tracing_options
 from pdserve.config.worker import add_secret_arguments
 from pdserve.router.registry import KV_TRANSPORT_CHOICES
+from pdserve.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +87,7 @@ def register(sub: Any) -> None:
     )
     add_arguments(p)
     add_edge_arguments(p)
+    add_tracing_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -129,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(level.upper())
     try:
         auth = control_auth(args)
+        traces = tracing_options(args)
     except ConfigError as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
@@ -138,6 +144,12 @@ def run(args: argparse.Namespace) -> int:
         log.error("cannot load the tokenizer for --model %r: %s", args.model, exc)
         return 2
     config = config_from_args(args, source.name)
+    try:
+        tracing.setup("pdserve-router", f"router-{socket.gethostname()}-{os.getpid()}",
+                      otlp_endpoint=traces.traces_url, trace_file=traces.trace_file)
+    except OSError as exc:
+        print(f"pdserve: --trace-file {traces.trace_file}: {exc.strerror}", file=sys.stderr)
+        return 2
     app = create_app(config, source.tokenizer)
     service = app.state.service
     service.control.configure(auth=auth, model_name=source.name)
@@ -166,5 +178,8 @@ def run(args: argparse.Namespace) -> int:
         args.port,
         config.control_address,
     )
-    server.run()
+    try:
+        server.run()
+    finally:
+        tracing.shutdown()  # the last spans out before the process goes
     return 0

@@ -72,7 +72,9 @@ class RouterMetrics:
         )
         self.workers = Gauge("pdserve_router_workers", "Live workers by role", ["role"], registry=r)
         self.migrations = Counter(
-            "pdserve_router_migrations", "Requests re-dispatched (migrations and retries): their worker was lost, refused them or failed the KV hand-off; by cause",
+            "pdserve_router_migrations",
+            "Requests re-dispatched to other workers (migrations and retries), by cause: a lost worker, "
+            "a refused prefill, a failed KV transfer",
             ["cause"], registry=r,
         )
         self.kv_blocks_used = Gauge(

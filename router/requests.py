@@ -23,6 +23,7 @@ from pdserve.protocol.sampling import SamplingParams
 from pdserve.router.errors import APIError
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import Route
+from pdserve.router.tracing import NO_TRACE, NoTrace
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +229,7 @@ class RequestState:
         self._retry = retry
         self.closed = False
         self.status = "200"
+        self.trace: NoTrace = NO_TRACE  # its spans (router/tracing.py), set by the service
 
     @property
     def finished(self) -> bool:
@@ -272,6 +274,7 @@ class RequestState:
                 delta = choice.apply(ev, self.want_logprobs)
                 if choice.finished:
                     self._stop_others(choice, worker_id, ev)
+                    self.trace.choice_finished(choice)
                 yield delta
                 if choice.finished:
                     break
@@ -284,6 +287,7 @@ class RequestState:
             choice.first_token_at = now
             self.metrics.ttft.observe(now - self.arrival)
             self.metrics.first_token()
+            self.trace.first_token(choice)
             n -= 1
         elif n:
             gap = (now - choice.last_token_at) / n
@@ -320,6 +324,7 @@ class RequestState:
             self.metrics.request_ended(c.first_token_at is not None)
         self.metrics.e2e.observe(time.monotonic() - self.arrival)
         self.metrics.requests.labels(status).inc()
+        self.trace.end(status, self.usage()[1])
         log.info(
             "request %s closed: status %s, %d completion tokens",
             self.request_id,

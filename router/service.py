@@ -30,6 +30,7 @@ from pdserve.router.openai_schema import (
 )
 from pdserve.router.registry import Hasher, Registry, WorkerState
 from pdserve.router.requests import Choice, RequestState, RequestTracker
+from pdserve.router.tracing import NO_TRACE, NoTrace
 
 log = logging.getLogger(__name__)
 
@@ -340,6 +341,7 @@ class RouterService:
         stops: Sequence[str],
         want_logprobs: bool,
         arrival: float,
+        trace: NoTrace = NO_TRACE,
     ) -> RequestState:
         """Pick workers for every choice and send the work; 503 when no path exists."""
         if self.draining:
@@ -378,11 +380,12 @@ class RouterService:
             retry=self._retry,
         )
         state.prompt_ids = token_ids
+        state.trace = trace
         self.tracker.add(state)
         now = time.time()
         for c, sp in zip(choices, params, strict=True):
             r = c.route
-            self._send_work(c, token_ids, sp, now)
+            self._send_work(c, token_ids, sp, now, trace=trace)
             self.metrics.request_started()
             log.info(
                 "request %s: %d prompt tokens, max_tokens %d -> %s%s (%s)",
@@ -397,18 +400,19 @@ class RouterService:
         return state
 
     def _send_work(self, c: Choice, token_ids: tuple[int, ...], sp: SamplingParams, now: float,
-                   generated: tuple[int, ...] = ()) -> None:
+                   generated: tuple[int, ...] = (), trace: NoTrace = NO_TRACE) -> None:
         r = c.route
+        trace_context = trace.dispatch(c)
         if r.mode == "disaggregated":
             assert r.decode is not None
             msg: PrefillRequest | GenerateRequest = PrefillRequest(
                 request_id=c.request_id, token_ids=token_ids, sampling=sp, decode_worker_id=r.decode,
                 decode_kv_address=r.decode_kv_address, kv_transport=r.kv_transport, arrival_time=now,
-                output_token_ids=generated,
+                output_token_ids=generated, trace_context=trace_context,
             )
         else:
             msg = GenerateRequest(request_id=c.request_id, token_ids=token_ids, sampling=sp, arrival_time=now,
-                                  output_token_ids=generated)
+                                  output_token_ids=generated, trace_context=trace_context)
         self.control.send(r.first, msg)
 
     def _worker_lost(self, w: WorkerState, message: str) -> int:
@@ -449,7 +453,8 @@ class RouterService:
         self.control.abort(old.workers, (old_id,))  # whoever survives of the old pair lets go
         self.tracker.rekey(old_id, choice.request_id)
         self.registry.forget_request(old_id, old.workers)
-        self._send_work(choice, state.prompt_ids, sp, time.time(), generated)
+        state.trace.migration(choice, cause, old, old_id)
+        self._send_work(choice, state.prompt_ids, sp, time.time(), generated, trace=state.trace)
         self.metrics.migrations.labels(cause).inc()
         log.warning("request %s: re-dispatched (%s) after %d tokens: %s -> %s", choice.request_id, cause,
                     len(generated), "/".join(old.workers), "/".join(route.workers))

@@ -1,12 +1,12 @@
 """The layering of docs/architecture.md, enforced by reading every import of every package file.
 
-    rank 0  protocol  config  kernels      (protocol and config import neither torch nor zmq)
+    rank 0  protocol  config  telemetry  kernels   (protocol, config, telemetry: neither torch nor zmq)
     rank 1  text                           (no torch)
     rank 2  model
     rank 3  engine                         (the scheduling core: names no role)
     rank 4  kvtransfer
     rank 5  worker
-    rank 6  prefill_node  decode_node  router   (router: only protocol, text, config)
+    rank 6  prefill_node  decode_node  router   (router: only protocol, text, config, telemetry)
     rank 7  bench
     rank 8  pdserve                        (the `pdserve` command and `pdserve up`)
 
@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 RANKS = {
-    "protocol": 0, "config": 0, "kernels": 0,
+    "protocol": 0, "config": 0, "telemetry": 0, "kernels": 0,
     "text": 1,
     "model": 2,
     "engine": 3,
@@ -35,8 +35,9 @@ RANKS = {
     "pdserve": 8,
 }
 # Stricter than rank: the router runs no model, so it sees only the wire, the text and options.
-ONLY = {"router": {"protocol", "text", "config"}}
-FORBIDDEN_THIRD_PARTY = {"protocol": {"torch", "zmq"}, "config": {"torch", "zmq"}, "text": {"torch", "zmq"},
+ONLY = {"router": {"protocol", "text", "config", "telemetry"}}
+FORBIDDEN_THIRD_PARTY = {"protocol": {"torch", "zmq"}, "config": {"torch", "zmq"}, "telemetry": {"torch", "zmq"},
+                         "text": {"torch", "zmq"},
                          "router": {"torch"}}
 ROLE_STRINGS = {"prefill", "decode", "colocated", "prefilled"}
 ROLE_NAMES = {"role", "roles", "ROLES", "prefill_only", "PREFILLED", "is_prefill_worker", "is_decode_worker"}

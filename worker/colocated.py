@@ -12,6 +12,7 @@ from pdserve.engine.engine import Engine
 from pdserve.model.weights import LoadedModel, load_model
 from pdserve.protocol.messages import GenerateRequest
 from pdserve.worker.loop import Worker, model_fingerprint
+from pdserve.worker.tracing import QUEUE
 
 
 class ColocatedWorker(Worker):
@@ -30,5 +31,6 @@ class ColocatedWorker(Worker):
     def accept(self, work) -> None:
         if not isinstance(work, GenerateRequest):
             raise ValueError(f"a colocated worker takes generate requests, not {type(work).__name__}")
-        self.engine.add_request(work.request_id, list(work.token_ids), work.sampling, work.arrival_time or None,
-                                output_token_ids=list(work.output_token_ids))
+        req = self.engine.add_request(work.request_id, list(work.token_ids), work.sampling, work.arrival_time or None,
+                                      output_token_ids=list(work.output_token_ids))
+        self.spans.started(work.request_id, work.trace_context, req, QUEUE)

@@ -39,6 +39,7 @@ from pdserve.protocol.messages import (
 from pdserve.worker.health import HealthServer
 from pdserve.worker.router_link import Fence
 from pdserve.worker.router_links import RouterLinks
+from pdserve.worker.tracing import NO_SPANS, NoSpans, worker_spans
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class Worker(ABC):
                                  resolve_interval=options.router_resolve_interval)
         self._started = False
         self._next_sweep = 0.0
+        self.spans: NoSpans = NO_SPANS  # request spans (worker/tracing.py), set at start()
 
     # --- subclass hooks --------------------------------------------------------------------
     @abstractmethod
@@ -121,6 +123,7 @@ class Worker(ABC):
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> Worker:
+        self.spans = worker_spans(self.worker_id)  # after tracing's setup, before any work
         self.health.start()
         reg = Register(
             worker_id=self.worker_id, role=self.role, kv_address=self.kv_address(),  # type: ignore[arg-type]
@@ -157,6 +160,7 @@ class Worker(ABC):
             self._guarded("transport poll", self.poll_io)
             self._guarded("block reclaim", self.engine.reclaim)
             if self.engine.has_unfinished():
+                step_started = time.time_ns()
                 try:
                     outputs = self.engine.step()
                 except Exception:  # a bug must cost the requests in flight, not the worker
@@ -164,6 +168,7 @@ class Worker(ABC):
                     self._fail_running("internal error in the engine step")
                     outputs = []
                 self._publish(outputs)
+                self.spans.stepped(step_started, outputs)  # before save_kv: the KV carries its span
                 # The step's tokens leave before its KV is saved: a first token never waits on
                 # its transfer.
                 self._flush()
@@ -184,6 +189,7 @@ class Worker(ABC):
         self.close()
 
     def close(self) -> None:
+        self.spans.clear("worker stopped")
         self.close_io()
         self.links.close()
         self.health.close()
@@ -219,6 +225,7 @@ class Worker(ABC):
             log.debug("%s %s: fence of router %s (%s): it held no requests", self.role, self.worker_id,
                       fence.router, fence.reason)
         self.abort(fence.request_ids)
+        self.spans.aborted(fence.request_ids, f"fenced: {fence.reason}")
 
     def _handle(self, work) -> None:
         if isinstance(work, Fence):
@@ -226,6 +233,7 @@ class Worker(ABC):
             return
         if isinstance(work, Abort):
             self.abort(work.request_ids)
+            self.spans.aborted(work.request_ids)
             return
         # A refusal is this worker's (its limits, its state): the router may send the work elsewhere.
         if self._draining:
@@ -262,12 +270,14 @@ class Worker(ABC):
     def _fail_running(self, message: str) -> None:
         ids = self.engine.request_ids(running_only=True)
         self.engine.abort(ids)
+        self.spans.aborted(ids, message)
         for rid in ids:
             self.emit(error_event(rid, message))
 
     def _fail_all(self, message: str, retry: RetryCause = "") -> None:
         ids = self.engine.request_ids()
         self.engine.abort(ids)
+        self.spans.aborted(ids, message)
         for rid in ids:
             self.emit(error_event(rid, message, retry=retry))
 

@@ -9,7 +9,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pdserve.config.engine import ConfigError, EngineConfig, engine_config
+from pdserve.config.tracing import tracing_options
 from pdserve.config.worker import WorkerOptions, worker_options
+from pdserve.telemetry import tracing
 from pdserve.text.model_files import ModelLoadError
 
 if TYPE_CHECKING:
@@ -28,12 +30,22 @@ def serve(factory: WorkerFactory, args: argparse.Namespace, policy: str | None =
         torch.set_num_threads(args.threads)
     try:
         options = worker_options(args)  # refuses to run without a secret unless --insecure
+        traces = tracing_options(args)
         worker = factory(options, engine_config(args, policy))
     except (ConfigError, ModelLoadError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
+    try:
+        tracing.setup(f"pdserve-{worker.role}", worker.worker_id, otlp_endpoint=traces.traces_url,
+                      trace_file=traces.trace_file)
+    except OSError as exc:
+        print(f"pdserve: --trace-file {traces.trace_file}: {exc.strerror}", file=sys.stderr)
+        return 2
     worker.install_signal_handlers()
     worker.start()
-    worker.run()
+    try:
+        worker.run()
+    finally:
+        tracing.shutdown()  # the last spans out before the process goes
     log.info("worker %s stopped", worker.worker_id)
     return 0
