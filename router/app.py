@@ -201,8 +201,9 @@ async def _generate(
         body = await read_body(request, svc.config.max_body_bytes)
         req = parse_request(body, kind)
         svc.check_model(req.model)
+        structured = await svc.structured_output(req)
         prompt_ids, prompt_param = await svc.prompt_ids(req, len(body))
-        params = svc.sampling_params(req, len(prompt_ids), prompt_param)
+        params = svc.sampling_params(req, len(prompt_ids), prompt_param, structured)
         want_logprobs = params[0].logprobs is not None
         await svc.prefix_hashes(prompt_ids)
         state = svc.submit(
