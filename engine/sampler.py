@@ -117,8 +117,7 @@ class Sampler:
             return {}
         errors: dict[int, str] = {}
         vocab = logits.shape[1]
-        masks = np.zeros((len(rows), vocab), dtype=bool)
-        for k, i in enumerate(rows):
+        for i in rows:
             grammar = requests[i].grammar
             assert grammar is not None
             try:
@@ -130,15 +129,14 @@ class Sampler:
                 errors[i] = f"structured output failed: {grammar.error}"
                 continue
             bits = np.unpackbits(np.frombuffer(words, dtype=np.uint8), bitorder="little")
+            forbidden = np.ones(vocab, dtype=np.bool_)  # ids past the grammar's vocabulary too
             n = min(vocab, bits.size)
-            masks[k, :n] = bits[:n]
-        idx = torch.tensor(rows)
-        masked = logits[idx].masked_fill(~torch.from_numpy(masks), float("-inf"))
-        logits[idx] = masked
-        for k in torch.nonzero(~torch.isfinite(masked).any(dim=1)).flatten().tolist():
-            i = rows[k]
-            errors.setdefault(i, "structured output failed: no token can continue the grammar "
-                                 f"after {requests[i].num_output_tokens} output tokens")
+            forbidden[:n] = bits[:n] == 0
+            row = logits[i]  # a view: masked in place
+            row.masked_fill_(torch.from_numpy(forbidden), float("-inf"))
+            if float(row.max()) == float("-inf"):
+                errors[i] = ("structured output failed: no token can continue the grammar after "
+                             f"{requests[i].num_output_tokens} output tokens")
         return errors
 
     @staticmethod
