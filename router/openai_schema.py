@@ -262,7 +262,7 @@ def structured_output(req: ChatCompletionRequest | CompletionRequest) -> tuple[S
             elif name == "json_object":
                 spec = StructuredOutput("json_object")
             else:
-                spec = StructuredOutput(name, value)
+                spec = StructuredOutput("regex" if name == "regex" else "grammar", value)
             found.append((spec, param))
     if len(found) > 1:
         raise bad_request(

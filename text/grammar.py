@@ -15,11 +15,14 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance as llg
 
 from pdserve.protocol.sampling import MAX_STRUCTURED_BYTES, StructuredOutput
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 MAX_SCHEMA_DEPTH = 32  # nesting of objects and arrays in a JSON schema document
 MAX_PATTERN_CHARS = 4096  # a regex
@@ -29,7 +32,7 @@ _MAX_MESSAGE = 400
 
 # JSON is generated compact (no whitespace between tokens): flexible whitespace lets a model pad
 # forever with newlines and spaces, the classic runaway of small models under a JSON grammar.
-_JSON_OPTIONS: llg.JsonCompileOptions = {"whitespace_flexible": False}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 def parser_limits() -> llg.LLParserLimits:
