@@ -24,6 +24,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.model.config import ModelConfig, torch_dtype
 from pdserve.model.weights import LoadedModel, load_model
 from pdserve.protocol.sampling import SamplingParams
+from pdserve.text.grammar import GrammarCompiler, GrammarError
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ class Engine:
         )
         self.runner = ModelRunner(config, loaded.config, loaded.state_dict, self.max_model_len, num_blocks)
         self.counters = EngineCounters()
+        self.grammars = GrammarCompiler(loaded.tokenizer)
         self._saves: list[KVSave] = []
         log.info("engine up: policy=%s connector=%s model=%s blocks=%d x %d device=%s dtype=%s",
                  policy.name, type(self.connector.scheduler).__name__, self.model_name, num_blocks,
@@ -134,14 +136,28 @@ class Engine:
     # --- requests in -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     arrival_time: float | None = None, output_token_ids: list[int] | None = None) -> Request:
-        """Queue a request; `output_token_ids` are tokens it already generated elsewhere.
+        """Queue a request; `output_token_ids` are tokens it already generated elsewhere (a
+        structured output's grammar is advanced over them: the state another worker had).
         Raises RequestRejected for bad input, ValueError for an id already in use."""
         self._check(prompt_token_ids, sampling, len(output_token_ids or ()))
         req = Request(request_id, list(prompt_token_ids), sampling, self.eos_token_ids,
                       arrival_time=arrival_time or time.time())
         req.token_ids.extend(output_token_ids or ())
+        if sampling.structured is not None:
+            req.grammar = self._grammar(sampling, list(output_token_ids or ()))
         self.scheduler.add_request(req)
         return req
+
+    def _grammar(self, sampling: SamplingParams, generated: list[int]):
+        assert sampling.structured is not None
+        try:
+            grammar = self.grammars.compile(sampling.structured)
+        except GrammarError as exc:
+            raise RequestRejected("structured", f"invalid structured output constraint: {exc}") from None
+        if not grammar.advance_all(generated) or grammar.done:
+            raise RequestRejected("output_token_ids", "the tokens generated so far do not continue "
+                                  f"the structured output's grammar: {grammar.error or 'it is complete'}")
+        return grammar
 
     def _check(self, prompt: list[int], sampling: SamplingParams, num_output: int = 0) -> None:
         if not prompt:
@@ -185,11 +201,19 @@ class Engine:
             return outputs
         samplers, result = self.runner.execute(out.scheduled)
         sampled = {r.request_id: t for r, t in zip(samplers, result.token_ids, strict=True)} if result else {}
+        if result is not None and result.errors:  # no token allowed: end them, sample nothing
+            failures = {samplers[i].request_id: why for i, why in result.errors.items()}
+            for rid in failures:
+                del sampled[rid]
+            for r in self.scheduler.fail(out, failures):
+                log.warning("request %s: %s", r.request_id, r.error)
+                outputs.append(RequestOutput(r.request_id, [], r.status.value, num_prompt_tokens=r.num_prompt_tokens,
+                                             error=r.error, position=r.num_output_tokens))
         now = time.time()
         self.scheduler.update(out, sampled)
         held = self.scheduler.held
         for i, req in enumerate(samplers):
-            if req.status is RequestStatus.FINISHED_ABORTED:
+            if req.status is RequestStatus.FINISHED_ABORTED or req.request_id not in sampled:
                 continue
             lp = top = None
             if result is not None and result.logprobs is not None and req.sampling.logprobs is not None:
@@ -197,7 +221,7 @@ class Engine:
             kv_held = req.request_id in held
             reason = req.status.value if req.status.finished and not kv_held else None
             outputs.append(RequestOutput(req.request_id, [req.token_ids[-1]], reason, lp, top,
-                                         req.num_prompt_tokens, req.num_cached_tokens,
+                                         req.num_prompt_tokens, req.num_cached_tokens, error=req.error,
                                          position=req.num_output_tokens - 1, kv_held=kv_held))
         self._saves.extend(out.kv.saves)
         self._record(start, now, out)

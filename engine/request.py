@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.protocol.sampling import SamplingParams
+from pdserve.text.grammar import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -57,6 +58,8 @@ class Request:
     error: str | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    # Structured output: the grammar's state after every output token (advanced by append_token).
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -93,11 +96,20 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.advance(token_id)
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
-        """The finished status after the latest sampled token, or None to go on."""
+        """The finished status after the latest sampled token, or None to go on. A complete
+        grammar stops the request (min_tokens cannot extend it); a failed one errs (`error`)."""
         n_out = self.num_output_tokens
         last = self.token_ids[-1]
+        if self.grammar is not None and self.grammar.done:
+            self.error = self.grammar.error
+            if self.error is not None:
+                self.error = f"structured output failed: {self.error}"
+                return RequestStatus.FINISHED_ERROR
+            return RequestStatus.FINISHED_STOPPED
         if n_out >= self.sampling.min_tokens:
             if last in self.sampling.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED

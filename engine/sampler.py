@@ -1,7 +1,8 @@
 """Turns one step's logits into next tokens, per request's SamplingParams.
 
-Order per row: penalties -> min_tokens masking -> (greedy argmax | temperature, top-k, top-p,
-min-p, then a draw). A seeded request's draw for output position k comes from a generator
+Order per row: penalties -> min_tokens masking -> the grammar's mask (structured outputs) ->
+(greedy argmax | temperature, top-k, top-p, min-p, then a draw). Only constrained rows pay for a
+mask; a row the grammar leaves no token for is reported in `errors`, not sampled. A seeded request's draw for output position k comes from a generator
 seeded by (seed, k) alone: the same seed gives the same output whatever else is in the batch,
 and whichever worker samples position k (the prefill worker samples position 0, the decode
 worker the rest) draws exactly what one engine would have. Logprobs are reported from the model's distribution
@@ -10,11 +11,13 @@ after penalties, before temperature and truncation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pdserve.engine.request import Request
+from pdserve.text.grammar import GrammarError
 
 
 def position_generator(seed: int, position: int) -> torch.Generator:
@@ -30,6 +33,9 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float] | None  # of each sampled token (None when no row asked)
     top_logprobs: list[tuple[tuple[int, float], ...]] | None
+    # Rows that could not be sampled (row -> why): their grammar allows no token. Their entry
+    # in token_ids is meaningless; the engine fails those requests.
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -43,6 +49,7 @@ class Sampler:
         self._mask_early_stop(logits, requests)
         want_lp = any(r.sampling.logprobs is not None for r in requests)
         logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
+        errors = self._mask_grammar(logits, requests)
 
         tokens = torch.empty(len(requests), dtype=torch.long)
         greedy = [i for i, r in enumerate(requests) if r.sampling.greedy]
@@ -50,12 +57,12 @@ class Sampler:
             idx = torch.tensor(greedy)
             tokens[idx] = logits[idx].argmax(dim=-1)
         for i, req in enumerate(requests):
-            if not req.sampling.greedy:
+            if not req.sampling.greedy and i not in errors:
                 tokens[i] = self._draw(logits[i], req)
 
         token_list = tokens.tolist()
         if logprobs is None:
-            return SampleResult(token_list, None, None)
+            return SampleResult(token_list, None, None, errors)
         chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         tops: list[tuple[tuple[int, float], ...]] = []
         for i, req in enumerate(requests):
@@ -65,7 +72,7 @@ class Sampler:
                 tops.append(tuple(zip(ids.tolist(), vals.tolist(), strict=True)))
             else:
                 tops.append(())
-        return SampleResult(token_list, chosen, tops)
+        return SampleResult(token_list, chosen, tops, errors)
 
     def _draw(self, row: torch.Tensor, req: Request) -> int:
         p = req.sampling
@@ -100,6 +107,37 @@ class Sampler:
                 out = torch.tensor(req.output_token_ids, dtype=torch.long)
                 counts = torch.zeros(logits.shape[1]).scatter_add_(0, out, torch.ones(len(out)))
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+    @staticmethod
+    def _mask_grammar(logits: torch.Tensor, requests: list[Request]) -> dict[int, str]:
+        """-inf where a constrained row's grammar forbids the token; returns the rows left with
+        none (or whose grammar failed). Unconstrained rows are not touched."""
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not rows:
+            return {}
+        errors: dict[int, str] = {}
+        vocab = logits.shape[1]
+        for i in rows:
+            grammar = requests[i].grammar
+            assert grammar is not None
+            try:
+                words = grammar.allowed_bitmask()
+            except GrammarError as exc:
+                errors[i] = f"structured output failed: {exc}"
+                continue
+            if grammar.error is not None:
+                errors[i] = f"structured output failed: {grammar.error}"
+                continue
+            bits = np.unpackbits(np.frombuffer(words, dtype=np.uint8), bitorder="little")
+            forbidden = np.ones(vocab, dtype=np.bool_)  # ids past the grammar's vocabulary too
+            n = min(vocab, bits.size)
+            forbidden[:n] = bits[:n] == 0
+            row = logits[i]  # a view: masked in place
+            row.masked_fill_(torch.from_numpy(forbidden), float("-inf"))
+            if float(row.max()) == float("-inf"):
+                errors[i] = ("structured output failed: no token can continue the grammar after "
+                             f"{requests[i].num_output_tokens} output tokens")
+        return errors
 
     @staticmethod
     def _mask_early_stop(logits: torch.Tensor, requests: list[Request]) -> None:

@@ -24,7 +24,7 @@ import msgspec
 
 from pdserve.protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 5  # 5: retryable error causes, trace context; 4: work carries output_token_ids (migration); 3: router epochs (RegisterAck, work, KVTransfer), HeartbeatAck; 2: Register lost health_address
+PROTOCOL_VERSION = 6  # 6: SamplingParams.structured (structured outputs); 5: retryable error causes, trace context; 4: work carries output_token_ids (migration); 3: router epochs (RegisterAck, work, KVTransfer), HeartbeatAck; 2: Register lost health_address
 
 Role = Literal["prefill", "decode", "colocated"]
 FinishReason = Literal["stop", "length", "abort", "error"]

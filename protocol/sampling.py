@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import msgspec
+
+# The largest constraint text a request may carry (a schema, a regex, a grammar, the choices).
+MAX_STRUCTURED_BYTES = 64 * 1024
+
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
 
 class SamplingParamsError(ValueError):
@@ -13,6 +19,17 @@ class SamplingParamsError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
         self.param = param
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A constraint on the output's text, compiled by each worker (text/grammar.py).
+
+    `spec` by `kind`: json_schema: the schema as JSON text; json_object: "" (any JSON object);
+    regex: the pattern; choice: a JSON list of the allowed strings; grammar: Lark or GBNF text.
+    """
+
+    kind: StructuredKind
+    spec: str = ""
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -31,6 +48,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs of each sampled token (0: only the sampled one)
+    structured: StructuredOutput | None = None  # constrained output (None: free text)
 
     @property
     def greedy(self) -> bool:
@@ -66,6 +84,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             bad("seed", f"must be in [0, 2**63), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.structured is not None and len(self.structured.spec.encode()) > MAX_STRUCTURED_BYTES:
+            bad("structured", f"the constraint is longer than {MAX_STRUCTURED_BYTES} bytes")
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:

@@ -203,9 +203,10 @@ async def _generate(
         body = await read_body(request, svc.config.max_body_bytes)
         req = parse_request(body, kind)
         svc.check_model(req.model)
+        structured = await svc.structured_output(req)
         with trace.span("tokenize"):
             prompt_ids, prompt_param = await svc.prompt_ids(req, len(body))
-        params = svc.sampling_params(req, len(prompt_ids), prompt_param)
+        params = svc.sampling_params(req, len(prompt_ids), prompt_param, structured)
         want_logprobs = params[0].logprobs is not None
         trace.describe(model=req.model, n=len(params), prompt_tokens=len(prompt_ids),
                        max_tokens=params[0].max_tokens, stream=bool(req.stream))

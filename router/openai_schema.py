@@ -4,7 +4,8 @@ Requests ignore fields we do not know and that change nothing about the answer (
 `user`, `store`, `metadata`...), but every known field is type-checked and a wrong type names its
 `param`, and a field that would change the answer in a way pdserve does not honour (`tools`,
 `logit_bias`, ...) is a 400 naming it rather than a silent drop: `UNSUPPORTED` lists them, and
-README's "The API" section lists both kinds. Responses follow OpenAI's shape field for field so
+README's "The API" section lists both kinds. `structured_output` turns the constraint fields
+(`response_format`, vLLM's `guided_*` and `structured_outputs`) into one `StructuredOutput`. Responses follow OpenAI's shape field for field so
 the official `openai` client parses them.
 """
 
@@ -15,6 +16,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
+from pdserve.protocol.sampling import StructuredOutput
 from pdserve.router.errors import bad_request
 
 MAX_STOP_STRINGS = 4
@@ -39,6 +41,19 @@ class ChatMessage(msgspec.Struct):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs`: exactly one constraint. pdserve always emits compact JSON,
+    so `disable_any_whitespace` is accepted and changes nothing; there is no fallback to drop."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_fallback: bool | None = None
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -68,10 +83,11 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     best_of: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -114,10 +130,6 @@ UNSUPPORTED: tuple[tuple[str, tuple[Any, ...], str], ...] = (
     ("best_of", (None, 1), "best_of is not supported; use n"),
     ("use_beam_search", (None, False), "beam search is not supported"),
     ("length_penalty", (None, 1, 1.0), "length_penalty (beam search) is not supported"),
-    ("guided_json", (None,), "guided decoding is not supported"),
-    ("guided_regex", (None,), "guided decoding is not supported"),
-    ("guided_choice", (None,), "guided decoding is not supported"),
-    ("guided_grammar", (None,), "guided decoding is not supported"),
     ("modalities", (None, ["text"]), "only text output is supported"),
     ("audio", (None,), "audio output is not supported"),
     ("prediction", (None,), "predicted outputs are not supported"),
@@ -206,8 +218,6 @@ def _check_chat(req: ChatCompletionRequest) -> None:
             raise bad_request("`top_logprobs` requires `logprobs` to be true", "top_logprobs")
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request(f"`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise bad_request('only `response_format` {"type": "text"} is supported', "response_format")
 
 
 def _check_completion(req: CompletionRequest) -> None:
@@ -217,6 +227,79 @@ def _check_completion(req: CompletionRequest) -> None:
         raise bad_request("`suffix` is not supported", "suffix")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"`logprobs` must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
+
+
+def structured_output(req: ChatCompletionRequest | CompletionRequest) -> tuple[StructuredOutput, str] | None:
+    """The request's output constraint and the parameter that set it, or None for free text.
+    Only the shape is checked here; the router compiles the constraint (RouterService)."""
+    found: list[tuple[StructuredOutput, str]] = []
+    if isinstance(req, ChatCompletionRequest) and req.response_format is not None:
+        spec = _response_format(req.response_format)
+        if spec is not None:
+            found.append((spec, "response_format"))
+    if req.guided_json is not None:
+        found.append((_json_spec(req.guided_json), "guided_json"))
+    if req.guided_regex is not None:
+        found.append((StructuredOutput("regex", req.guided_regex), "guided_regex"))
+    if req.guided_choice is not None:
+        found.append((StructuredOutput("choice", msgspec.json.encode(req.guided_choice).decode()), "guided_choice"))
+    if req.guided_grammar is not None:
+        found.append((StructuredOutput("grammar", req.guided_grammar), "guided_grammar"))
+    so = req.structured_outputs
+    if so is not None:
+        param = "structured_outputs"
+        given = [(name, v) for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if (v := getattr(so, name)) is not None and v is not False]
+        if len(given) > 1:
+            raise bad_request(f"`{param}` takes one constraint, got {', '.join(n for n, _ in given)}", param)
+        if given:
+            name, value = given[0]
+            param = f"structured_outputs.{name}"
+            if name == "json":
+                spec = _json_spec(value)
+            elif name == "choice":
+                spec = StructuredOutput("choice", msgspec.json.encode(value).decode())
+            elif name == "json_object":
+                spec = StructuredOutput("json_object")
+            else:
+                spec = StructuredOutput("regex" if name == "regex" else "grammar", value)
+            found.append((spec, param))
+    if len(found) > 1:
+        raise bad_request(
+            f"only one output constraint may be set, got {' and '.join(f'`{p}`' for _, p in found)}",
+            found[1][1],
+        )
+    return found[0] if found else None
+
+
+def _json_spec(schema: Any) -> StructuredOutput:
+    if isinstance(schema, str):
+        return StructuredOutput("json_schema", schema)
+    return StructuredOutput("json_schema", msgspec.json.encode(schema).decode())
+
+
+def _response_format(rf: dict[str, Any]) -> StructuredOutput | None:
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise bad_request('`response_format` {"type": "json_schema"} needs a `json_schema` object',
+                              "response_format")
+        schema = js.get("schema", {})  # no schema: any JSON value
+        if not isinstance(schema, dict):
+            raise bad_request("`response_format.json_schema.schema` must be a JSON schema object",
+                              "response_format")
+        if "strict" in js and not isinstance(js["strict"], bool | None):
+            raise bad_request("`response_format.json_schema.strict` must be a boolean", "response_format")
+        return _json_spec(schema)
+    raise bad_request(
+        f'`response_format` type must be "text", "json_object" or "json_schema", got {kind!r}',
+        "response_format",
+    )
 
 
 def stop_strings(req: _SamplingFields) -> list[str]:

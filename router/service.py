@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from pdserve.protocol.messages import GenerateRequest, PrefillRequest
-from pdserve.protocol.sampling import SamplingParams, SamplingParamsError
+from pdserve.protocol.sampling import SamplingParams, SamplingParamsError, StructuredOutput
 from pdserve.router.control import ControlServer
 from pdserve.router.errors import APIError, bad_request, unavailable
 from pdserve.router.metrics import RouterMetrics
@@ -27,10 +27,12 @@ from pdserve.router.openai_schema import (
     CompletionRequest,
     completion_prompt,
     message_text,
+    structured_output,
 )
 from pdserve.router.registry import Hasher, Registry, WorkerState
 from pdserve.router.requests import Choice, RequestState, RequestTracker
 from pdserve.router.tracing import NO_TRACE, NoTrace
+from pdserve.text.grammar import GrammarCompiler, GrammarError
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class RouterConfig:
     tokenize_threads: int = 2
     migration_limit: int = 3  # re-dispatches of one choice: its worker was lost or gave it up
     prefill_fallback: bool = True  # no prefill worker left: a decode worker serves the request whole
+    grammar_timeout: float = 5.0  # seconds to compile a structured-output constraint
 
 
 class Slot:
@@ -102,6 +105,7 @@ class RouterService:
             max(1, config.tokenize_threads), thread_name_prefix="pdserve-tokenize"
         )
         self.max_token_chars = max_token_chars(tokenizer)
+        self.grammars = GrammarCompiler(tokenizer)
         self._hashes: tuple[Sequence[int], dict[int, list[bytes]]] | None = None
         if hasher is not None:
             self.registry.hasher = self._hash
@@ -264,12 +268,45 @@ class RouterService:
             ) from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    # --- structured outputs --------------------------------------------------------------
+
+    async def structured_output(
+        self, req: ChatCompletionRequest | CompletionRequest
+    ) -> StructuredOutput | None:
+        """The request's output constraint, compiled here once so that a bad one is a 400 naming
+        its parameter before any worker sees it. Compilation runs on the thread pool under
+        `grammar_timeout` (llguidance's own fuel limits bound the thread's work)."""
+        found = structured_output(req)
+        if found is None:
+            return None
+        spec, param = found
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(
+                loop.run_in_executor(self._pool, self.grammars.check, spec),
+                self.config.grammar_timeout,
+            )
+        except TimeoutError:
+            raise bad_request(
+                f"`{param}` took more than {self.config.grammar_timeout:g} s to compile; simplify it",
+                param,
+                "invalid_structured_output",
+            ) from None
+        except GrammarError as exc:
+            raise bad_request(f"invalid `{param}`: {exc}", param, "invalid_structured_output") from None
+        return spec
+
     # --- sampling ------------------------------------------------------------------------
 
     def sampling_params(
-        self, req: ChatCompletionRequest | CompletionRequest, prompt_len: int, prompt_param: str
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        prompt_len: int,
+        prompt_param: str,
+        structured: StructuredOutput | None = None,
     ) -> list[SamplingParams]:
-        """One validated SamplingParams per choice (seed + i when a seed is given)."""
+        """One validated SamplingParams per choice (seed + i when a seed is given);
+        `structured` is the request's compiled constraint (`structured_output`)."""
         ctx = self.context_length()
         if prompt_len >= ctx:
             raise bad_request(
@@ -311,6 +348,7 @@ class RouterService:
             stop_token_ids=tuple(dict.fromkeys(stop_ids)),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            structured=structured,
         )
         params = []
         for i in range(req.n):

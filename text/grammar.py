@@ -1,0 +1,244 @@
+"""Structured outputs: a `StructuredOutput` compiled with llguidance into a per-request matcher.
+
+The router compiles every constraint once to refuse a bad one (a 400 naming its parameter) before
+any worker sees it; each worker compiles it again, under the same limits, to mask its logits. A
+matcher knows only the output tokens it consumed, so the decode worker rebuilds the prefill
+worker's state by consuming the tokens that came with the KV (docs/structured_outputs.md).
+
+Nothing here raises anything but `GrammarError` for a constraint, however malformed: llguidance
+reports grammar errors as values, and a Rust panic (pyo3's PanicException, a BaseException) is
+turned into a GrammarError too, so a bad grammar fails its request, never the process.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import llguidance as llg
+
+from pdserve.protocol.sampling import MAX_STRUCTURED_BYTES, StructuredOutput
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+MAX_SCHEMA_DEPTH = 32  # nesting of objects and arrays in a JSON schema document
+MAX_PATTERN_CHARS = 4096  # a regex
+MAX_NESTING = 32  # brackets inside a regex or a grammar
+MAX_CHOICES = 512
+_MAX_MESSAGE = 400
+
+# JSON is generated compact (no whitespace between tokens): flexible whitespace lets a model pad
+# forever with newlines and spaces, the classic runaway of small models under a JSON grammar.
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
+
+
+def parser_limits() -> llg.LLParserLimits:
+    """llguidance's work budgets, below its defaults: they bound compile time (lexer fuel, grammar
+    size) and every mask computation (step fuel and items), whatever the grammar."""
+    return llg.LLParserLimits(
+        # Regex analysis when the lexer is built (the first mask): 50k is ~50 ms. It is what stops
+        # nested counted repetitions such as (a{1000}){1000}, which take seconds at the default.
+        initial_lexer_fuel=50_000,
+        step_lexer_fuel=50_000,  # a few ms per token mask at most
+        step_max_items=20_000,
+        max_lexer_states=50_000,
+        max_grammar_size=100_000,
+        verbose_errors=False,  # messages go back to clients: no parser state dumps
+    )
+
+
+class GrammarError(ValueError):
+    """A constraint that is malformed, unsupported, over a limit, or cannot be satisfied."""
+
+
+def _short(message: str) -> str:
+    first = message.strip().splitlines()[0] if message.strip() else "invalid grammar"
+    return first if len(first) <= _MAX_MESSAGE else first[: _MAX_MESSAGE - 3] + "..."
+
+
+def _guarded(fn, *args):
+    """Call into llguidance; any failure, a Rust panic included, becomes a GrammarError."""
+    try:
+        return fn(*args)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - PanicException derives from BaseException
+        raise GrammarError(_short(str(exc)) or type(exc).__name__) from None
+
+
+def json_depth(value: Any) -> int:
+    """How deeply objects and arrays nest in a decoded JSON value (iterative: no recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth)
+            if depth > MAX_SCHEMA_DEPTH:
+                return depth
+            todo.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def bracket_depth(text: str) -> int:
+    """The deepest nesting of (), [] and {} in a pattern or grammar, skipping escaped characters."""
+    depth = deepest = 0
+    escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in ")]}":
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def check_limits(spec: StructuredOutput) -> Any:
+    """Refuse a constraint over the size, depth or complexity caps (GrammarError); return the
+    decoded value of a JSON spec (a schema, the choices), None for text specs."""
+    size = len(spec.spec.encode())
+    if size > MAX_STRUCTURED_BYTES:
+        raise GrammarError(f"the constraint has {size} bytes; the limit is {MAX_STRUCTURED_BYTES}")
+    if spec.kind in ("json_schema", "choice"):
+        try:
+            value = json.loads(spec.spec)
+        except RecursionError:
+            raise GrammarError(f"nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
+        except ValueError as exc:
+            raise GrammarError(f"is not valid JSON: {exc}") from None
+        if json_depth(value) > MAX_SCHEMA_DEPTH:
+            raise GrammarError(f"nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        if spec.kind == "json_schema" and not isinstance(value, dict | bool):
+            raise GrammarError("a JSON schema must be an object")
+        if spec.kind == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+                raise GrammarError("the choices must be a non-empty list of strings")
+            if len(value) > MAX_CHOICES:
+                raise GrammarError(f"has {len(value)} choices; the limit is {MAX_CHOICES}")
+        return value
+    if spec.kind == "regex" and len(spec.spec) > MAX_PATTERN_CHARS:
+        raise GrammarError(f"the pattern has {len(spec.spec)} characters; the limit is {MAX_PATTERN_CHARS}")
+    if spec.kind in ("regex", "grammar"):
+        if not spec.spec:
+            raise GrammarError(f"the {spec.kind} is empty")
+        if bracket_depth(spec.spec) > MAX_NESTING:
+            raise GrammarError(f"nests brackets deeper than {MAX_NESTING} levels")
+    return None
+
+
+def grammar_text(spec: StructuredOutput) -> str:
+    """The llguidance grammar of a constraint (not yet checked against a tokenizer)."""
+    value = check_limits(spec)
+    if spec.kind == "json_object":
+        return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
+    if spec.kind == "json_schema":
+        return _guarded(lambda: llg.LLMatcher.grammar_from_json_schema(value, defaults=_JSON_OPTIONS))
+    if spec.kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(spec.spec)
+    if spec.kind == "choice":
+        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+    return _guarded(llg.grammar_from, "grammar", spec.spec)  # Lark, or GBNF converted to Lark
+
+
+class GrammarMatcher:
+    """One request's place in its grammar: which tokens may come next, and whether it is done.
+
+    It depends only on the output tokens consumed so far, so any worker rebuilds it from them.
+    """
+
+    __slots__ = ("_m",)
+
+    def __init__(self, matcher: llg.LLMatcher) -> None:
+        self._m = matcher
+
+    def allowed_bitmask(self) -> bytes:
+        """One bit per token id (little-endian 32-bit words), set where the token may come next."""
+        return _guarded(self._m.compute_bitmask)
+
+    def advance(self, token_id: int) -> bool:
+        """Consume one sampled token; False (and `error` set) when the grammar refuses it."""
+        return bool(_guarded(self._m.consume_token, token_id))
+
+    def advance_all(self, token_ids: list[int]) -> bool:
+        return not token_ids or bool(_guarded(self._m.consume_tokens, token_ids))
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete (only an end of sequence could follow), or it failed."""
+        return self._m.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        if not self._m.is_error():
+            return None
+        message = _short(self._m.get_error())
+        # A bare stop reason (e.g. NoExtensionBias): the grammar admits nothing from here on.
+        return f"the grammar admits no further output ({message})" if " " not in message else message
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer, keeping the most recent ones (bounded) to copy.
+
+    Thread-safe: the router compiles on its worker threads. The llguidance view of the vocabulary
+    is built on first use (a fraction of a second for a 50k vocabulary).
+    """
+
+    def __init__(self, tokenizer: Any, cache_size: int = 64) -> None:
+        self._tokenizer = tokenizer
+        self._ll: llg.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], llg.LLMatcher] = OrderedDict()
+        self._cache_size = cache_size
+
+    def ll_tokenizer(self) -> llg.LLTokenizer:
+        with self._lock:
+            if self._ll is None:
+                tok = self._tokenizer
+                try:
+                    eos = list(tok.stop_token_ids) or [tok.eos_token_id]
+                    self._ll = llg.LLTokenizer(tok.backend.to_str(), n_vocab=tok.vocab_size, eos_token=eos)
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - a tokenizer llguidance cannot read
+                    raise GrammarError(f"structured outputs are not available for this model's "
+                                       f"tokenizer: {_short(str(exc))}") from None
+            return self._ll
+
+    def compile(self, spec: StructuredOutput) -> GrammarMatcher:
+        """A fresh matcher at the grammar's start; GrammarError when the constraint is bad."""
+        key = (spec.kind, spec.spec)
+        with self._lock:
+            pristine = self._cache.get(key)
+            if pristine is not None:
+                self._cache.move_to_end(key)
+                return GrammarMatcher(pristine.deep_copy())
+        grammar = grammar_text(spec)
+        ll = self.ll_tokenizer()
+        failed, messages = _guarded(
+            lambda: llg.LLMatcher.validate_grammar_with_warnings(grammar, ll, limits=parser_limits())
+        )
+        if failed:
+            raise GrammarError(_short(messages[0] if messages else "invalid grammar"))
+        matcher = _guarded(lambda: llg.LLMatcher(ll, grammar, log_level=0, limits=parser_limits()))
+        if matcher.is_error():
+            # Valid syntax whose language is empty (e.g. an empty character class).
+            raise GrammarError("no output can satisfy it: " + _short(matcher.get_error()))
+        with self._lock:
+            self._cache[key] = matcher.deep_copy()
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return GrammarMatcher(matcher)
+
+    def check(self, spec: StructuredOutput) -> None:
+        """What the router runs: compile, and compute the first mask, where lazily built lexers
+        do their work and an empty language shows; GrammarError when the constraint is bad."""
+        matcher = self.compile(spec)
+        matcher.allowed_bitmask()
+        if matcher.error is not None:
+            raise GrammarError(f"no output can satisfy it: {matcher.error}")
