@@ -293,3 +293,23 @@ def test_a_killed_worker_is_lost_when_its_connection_closes_not_a_heartbeat_time
     assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
     assert text == ("Hello world" * 20)[: len(text)] and len(text) >= 40  # 40 tokens, none twice
     assert h.service.control.disconnects == 1
+
+
+def test_a_worker_the_router_forgot_drops_that_routers_work_and_registers_again():
+    with RouterHarness(heartbeat_timeout=0.5, migration_limit=0) as h, \
+            httpx.Client(base_url=h.base_url, timeout=10) as c:
+        w = h.worker("colo-0", script=SLOW, delay=0.05)
+        with c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+            lines = r.iter_lines()
+            while "Hel" not in next(lines):
+                pass
+            w.hang()  # silent: the router times it out and fails the stream (no migration allowed)
+            assert h.wait_until(lambda: "colo-0" not in h.service.registry.workers, timeout=5)
+            w.hung = False  # back: its next heartbeat meets a router that no longer knows it
+            events = sse_events(lines)
+        assert events[-2]["error"]["code"] == "worker_lost"
+        assert w.wait_for(lambda: any(f.reason == "the router forgot us" for f in w.fences), timeout=5)
+        assert h.wait_until(lambda: "colo-0" in h.service.registry.workers, timeout=5)
+        assert not w._active  # the forgotten request is not computed on for nobody
+        r = c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello world" * 5

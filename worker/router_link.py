@@ -317,7 +317,7 @@ class WorkerLink:
             _log_bad("worker %s: inbox full (%d); request %s from the router at %s refused", self.worker_id,
                      MAX_INBOX, msg.request_id, self.router_address)
             error = TokenEvent(request_id=msg.request_id, token_ids=(), finish_reason="error",
-                               error="worker overloaded (inbox full); retry")
+                               error="worker overloaded (inbox full); retry", retry="refused")
             self._send(sock, TokenEvents(worker_id=self.worker_id, events=(error,)))
             return
         self._inbox.append(msg)
@@ -339,10 +339,14 @@ class WorkerLink:
             # The router answers every frame of a worker it does not know (each batch of tokens
             # queued while it was down): register once, and let the retry timer repeat it.
             if self._registered.is_set():
+                # Same epoch, yet it forgot us: it timed us out or saw our connection close, and
+                # has moved (or failed) what it gave us. Drop that work, as a restarted worker
+                # would have, instead of computing tokens nobody reads.
                 log.warning(
-                    "worker %s: the router at %s does not know us (restarted?); registering again",
-                    self.worker_id, self.router_address,
+                    "worker %s: the router at %s no longer knows us (it timed us out or saw the "
+                    "connection drop); dropping its work and registering again", self.worker_id, self.router_address,
                 )
+                self._fence("the router forgot us", self.epoch, lost_work=True)
                 self._registered.clear()
                 self._send(sock, self.register)
                 self._next_register = time.monotonic() + self.heartbeat_interval
