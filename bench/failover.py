@@ -214,7 +214,10 @@ async def leaked_blocks(up: UpProcess, settle_s: float = 15.0) -> dict[str, floa
     deadline = time.monotonic() + settle_s
     while True:
         text = httpx.get(f"{up.base_url}/metrics", timeout=10).text
-        used = {m[0]: float(m[1]) for m in re.findall(r'^pdserve_router_kv_blocks_used\{worker="([^"]+)",role="\w+"\} ([0-9.e+]+)$', text, re.M)}
+        used = {re.search(r'worker="([^"]+)"', labels).group(1): float(value)  # type: ignore[union-attr]
+                for labels, value in re.findall(r"^pdserve_kv_blocks_used\{([^}]*)\} ([0-9.e+]+)$", text, re.M)}
+        if not used:
+            raise RuntimeError("the router reports no pdserve_kv_blocks_used: cannot judge leaks")
         if not any(used.values()) or time.monotonic() > deadline:
             return used
         await asyncio.sleep(1.0)
