@@ -173,7 +173,7 @@ class RouterLinks:
             return msgspec.structs.replace(work, request_ids=ids) if ids else None
         if isinstance(work, PrefillRequest | GenerateRequest) and not self.routes.claim(work.request_id, router):
             error = TokenEvent(request_id=work.request_id, token_ids=(), finish_reason="error",
-                               error="request id already in use on this worker")
+                               error="request id already in use on this worker", retry="refused")
             link.send_events(TokenEvents(worker_id=link.worker_id, events=(error,)))
             return None
         return work
