@@ -3,7 +3,8 @@
 // and the prefill and decode workers that served it (the x-pdserve-* response headers, then the
 // stream's closing `: pdserve served-by {...}` comment, which names the final workers of a
 // request that migrated). Plain JavaScript, no framework, nothing from another origin: the
-// router's Content-Security-Policy allows this origin only, and no inline script.
+// router's Content-Security-Policy allows this origin only, and no inline script. URLs are
+// relative to the page, so the page also works behind a proxy that puts a prefix before the router.
 "use strict";
 
 const KEY_STORAGE = "pdserve.apiKey";
@@ -62,7 +63,7 @@ function setStatus(text, bad = false) {
 async function connect() {
   let response;
   try {
-    response = await fetch("/v1/models", { headers: authHeaders(), cache: "no-store" });
+    response = await fetch("v1/models", { headers: authHeaders(), cache: "no-store" });
   } catch (e) {
     setStatus(`cannot reach the router (${e.message})`, true);
     return false;
@@ -287,7 +288,7 @@ async function stream(answer, messages, signal) {
   };
   let response;
   try {
-    response = await fetch("/v1/chat/completions", {
+    response = await fetch("v1/chat/completions", {
       method: "POST",
       headers: { "content-type": "application/json", ...authHeaders() },
       body: JSON.stringify(body),
