@@ -22,6 +22,7 @@ the standard one.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from urllib.parse import quote
 
@@ -68,5 +69,7 @@ def route_headers(choices: Sequence[Choice]) -> dict[str, str]:
 
 
 def route_comment(choices: Sequence[Choice]) -> bytes:
-    """The closing SSE comment (JSON escapes every line break, so it stays one line)."""
-    return COMMENT_PREFIX + msgspec.json.encode(ServedByComment(served_by(choices))) + b"\n\n"
+    """The closing SSE comment, all ASCII: JSON escapes CR and LF, and `ensure_ascii` also escapes
+    U+2028 and the like, which line readers such as `str.splitlines` (httpx's) would break on."""
+    data = msgspec.to_builtins(ServedByComment(served_by(choices)))
+    return COMMENT_PREFIX + json.dumps(data, separators=(",", ":")).encode("ascii") + b"\n\n"

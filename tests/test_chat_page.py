@@ -82,7 +82,7 @@ def served_comment(lines: list[str]) -> dict:
     events = [ln for ln in lines if ln]
     assert events[-1] == "data: [DONE]"
     prefix = ": pdserve served-by "
-    assert events[-2].startswith(prefix), events[-3:]
+    assert events[-2].startswith(prefix) and events[-2].isascii(), events[-3:]
     assert sum(ln.startswith(":") for ln in events) == 1
     return json.loads(events[-2][len(prefix):])
 

@@ -139,7 +139,7 @@ def test_the_workers_shown_are_the_ones_the_request_went_to(browser):
             h.worker(f"decode-{i}", "decode", script=toks(TEXT))
         open_page(browser, h.base_url + "/chat")
         for turn in range(1, 4):
-            ask(browser, f"question {turn}")
+            ask(browser, f"question {turn}", max_tokens=50)
             shown = answer(browser, turn)
             assert shown["state"] == "done" and shown["text"] == TEXT
             sub_id = shown["data"]["requestId"] + "-0"
@@ -188,11 +188,11 @@ def test_with_an_api_key_the_page_asks_for_it_refuses_a_wrong_one_and_works_with
         wait(browser, lambda d: status(d) == "ready")
         assert not browser.find_element("id", "key-form").is_displayed()
         assert browser.execute_script("return sessionStorage.getItem('pdserve.apiKey')") == "s3cret"
-        ask(browser, "hi")
+        ask(browser, "hi", max_tokens=50)
         assert answer(browser, 1)["text"] == TEXT and len(w.requests()) == 1
         # A key that stops working mid-session: the answer says 401 and the form opens again.
         browser.execute_script("sessionStorage.setItem('pdserve.apiKey', 'revoked')")
-        ask(browser, "hi again")
+        ask(browser, "hi again", max_tokens=50)
         failed = answer(browser, 2)
         assert failed["state"] == "error" and "401 invalid_api_key" in failed["error"]
         assert failed["excluded"] and browser.find_element("id", "key-form").is_displayed()
