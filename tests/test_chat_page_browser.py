@@ -120,7 +120,7 @@ def test_the_streamed_answers_equal_the_api_answers_turn_after_turn(browser, clu
         assert (shown["data"]["prefill"], shown["data"]["decode"]) == (
             raw.headers["x-pdserve-prefill-worker"], raw.headers["x-pdserve-decode-worker"]
         ) == ("prefill-0", "decode-0")
-        assert "prefill prefill-0 → decode decode-0" in shown["meta"]
+        assert "served by prefill-0 → decode-0" in shown["meta"]
         # Its timings: a TTFT, and the token count the stream's usage gave.
         assert int(shown["data"]["tokens"]) == reply.usage.completion_tokens
         assert f"{reply.usage.completion_tokens} tokens" in shown["meta"]
@@ -146,7 +146,7 @@ def test_the_workers_shown_are_the_ones_the_request_went_to(browser):
             (route,) = [(w.worker_id, m.decode_worker_id) for w in h.workers for m in w.requests()
                         if m.request_id == sub_id]
             assert (shown["data"]["prefill"], shown["data"]["decode"]) == route
-            assert f"prefill {route[0]} → decode {route[1]}" in shown["meta"]
+            assert f"served by {route[0]} → {route[1]}" in shown["meta"]
 
 
 def test_stop_ends_the_stream_aborts_the_request_on_the_worker_and_keeps_the_partial_answer(browser):

@@ -248,13 +248,15 @@ class Answer extends MessageView {
     if (this.el.dataset.state === "stopped") parts.push(["finish", "stopped"]);
     if (this.served) {
       const s = this.served;
-      const route = s.mode === "colocated" ? `${s.prefill} (colocated)` : `prefill ${s.prefill} → decode ${s.decode}`;
-      parts.push(["served", s.migrations > 0 ? `${route}, migrated ${s.migrations}×` : route]);
+      const route = s.mode === "colocated" ? `${s.prefill} (colocated)` : `${s.prefill} → ${s.decode}`;
+      const migrated = s.migrations > 0 ? `, migrated ${s.migrations}×` : "";
+      parts.push(["served", `served by ${route}${migrated}`]);
     }
     this.meta.replaceChildren(...parts.map(([cls, text]) => {
       const span = document.createElement("span");
       span.className = cls;
       span.textContent = text;
+      if (cls === "served") span.title = "prefill worker → decode worker";
       return span;
     }));
   }
