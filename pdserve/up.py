@@ -137,7 +137,8 @@ def run(args) -> int:
                 ready = httpx.get(f"{url}/ready", timeout=1.0).status_code == 200
             if ready:
                 mode = f"colocated, policy {args.policy}" if args.colocated else f"disaggregated, KV over {args.kv_transport}"
-                print(f"pdserve is up at {url} ({mode}); OpenAI base URL {url}/v1. Ctrl-C stops it.", flush=True)
+                print(f"pdserve is up at {url} ({mode}); OpenAI base URL {url}/v1, chat page {url}/. "
+                      "Ctrl-C stops it.", flush=True)
             elif time.time() > deadline:
                 print(f"pdserve: not ready after {args.ready_timeout:.0f}s; shutting down", file=sys.stderr)
                 code = 1

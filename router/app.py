@@ -3,6 +3,8 @@
 Handlers validate at the edge (every client mistake is a 4xx OpenAI envelope), hand the work
 to `RouterService`, and stream or collect the result. A client that goes away, streaming or
 not, is noticed by a task watching `http.disconnect`, and its request is aborted on the workers.
+Answers name the workers that served them (router/served_by.py); `/` is the chat page
+(router/chat_page.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from pdserve.config.log_limits import RateLimitedLog
 from pdserve.protocol.block_hash import hash_blocks
+from pdserve.router.chat_page import ChatPage
 from pdserve.router.errors import APIError, bad_request
 from pdserve.router.metrics import CONTENT_TYPE
 from pdserve.router.openai_schema import (
@@ -40,6 +43,7 @@ from pdserve.router.openai_schema import (
 from pdserve.router.registry import Hasher
 from pdserve.router.render import ChatRenderer, CompletionRenderer, Renderer, make_usage
 from pdserve.router.requests import RequestState
+from pdserve.router.served_by import route_comment, route_headers
 from pdserve.router.service import RouterConfig, RouterService
 from pdserve.router.tracing import request_trace
 from pdserve.text.loader import default_detokenizer_factory
@@ -84,6 +88,7 @@ def create_app(
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *ChatPage().routes(),
     ]
     app = Starlette(
         routes=routes,
@@ -259,7 +264,9 @@ async def _generate(
             state.close(outcome[0])
             held.release()
 
-        return SSEResponse(_sse(state, renderer, include_usage, outcome), on_close)
+        return SSEResponse(
+            _sse(state, renderer, include_usage, outcome), on_close, route_headers(state.choices)
+        )
     try:
         return await _collect(state, renderer, request.receive)
     except Exception:
@@ -287,6 +294,7 @@ async def _sse(
         outcome[0] = str(exc.status)
         log.warning("request %s failed while streaming: %s", state.request_id, exc.message)
         yield b"data: " + msgspec.json.encode(exc.body()) + b"\n\n"
+    yield route_comment(state.choices)  # the final workers: a choice may have migrated
     yield b"data: [DONE]\n\n"
 
 
@@ -308,7 +316,11 @@ async def _collect(state: RequestState, renderer: Renderer, receive: Receive) ->
     finally:
         watcher.cancel()
     state.close("200")
-    return Response(renderer.body(make_usage(*state.usage())), media_type="application/json")
+    return Response(
+        renderer.body(make_usage(*state.usage())),
+        media_type="application/json",
+        headers=route_headers(state.choices),
+    )
 
 
 class SSEResponse:
@@ -318,9 +330,15 @@ class SSEResponse:
     request waiting for a slow token must be aborted at once. `on_close` runs exactly once.
     """
 
-    def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        chunks: AsyncIterator[bytes],
+        on_close: Callable[[], None],
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.chunks = chunks
         self.on_close = on_close
+        self.headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def stream(cancel: anyio.CancelScope) -> None:
@@ -333,6 +351,7 @@ class SSEResponse:
                             (b"content-type", b"text/event-stream; charset=utf-8"),
                             (b"cache-control", b"no-cache"),
                             (b"x-accel-buffering", b"no"),
+                            *self.headers,
                         ],
                     }
                 )
