@@ -277,23 +277,37 @@ async def _generate(
         slot.release()
 
 
+# Characters that JSON leaves raw inside strings but that line readers splitting the way
+# str.splitlines does (httpx's iter_lines, among others) take for line ends: escaped, an SSE
+# event stays one line for every client.
+_LINE_BREAKS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
+
+
+def sse_data(payload: bytes) -> bytes:
+    """One `data:` event of a JSON payload, with U+2028, U+2029 and U+0085 escaped."""
+    for raw, escaped in _LINE_BREAKS:
+        if raw in payload:
+            payload = payload.replace(raw, escaped)
+    return b"data: " + payload + b"\n\n"
+
+
 async def _sse(
     state: RequestState, renderer: Renderer, include_usage: bool, outcome: list[str]
 ) -> AsyncIterator[bytes]:
     for first in renderer.start():
-        yield b"data: " + first + b"\n\n"
+        yield sse_data(first)
     try:
         async for delta in state.deltas():
             chunk = renderer.chunk(delta)
             if chunk is not None:
-                yield b"data: " + chunk + b"\n\n"
+                yield sse_data(chunk)
         if include_usage:
-            yield b"data: " + renderer.usage_chunk(make_usage(*state.usage())) + b"\n\n"
+            yield sse_data(renderer.usage_chunk(make_usage(*state.usage())))
         outcome[0] = "200"
     except APIError as exc:
         outcome[0] = str(exc.status)
         log.warning("request %s failed while streaming: %s", state.request_id, exc.message)
-        yield b"data: " + msgspec.json.encode(exc.body()) + b"\n\n"
+        yield sse_data(msgspec.json.encode(exc.body()))
     yield route_comment(state.choices)  # the final workers: a choice may have migrated
     yield b"data: [DONE]\n\n"
 

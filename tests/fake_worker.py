@@ -37,7 +37,7 @@ from pdserve.worker.router_link import Fence, WorkerLink
 
 # --- a toy tokenizer -------------------------------------------------------------------------
 
-PIECES = ("Hel", "lo", " wor", "ld", "END", "<|", "|>", " the")
+PIECES = ("Hel", "lo", " wor", "ld", "END", "<|", "|>", " the", "\u2028", "\u2029")
 EOS = 256
 
 

@@ -162,3 +162,18 @@ def test_disaggregated_single_token_finishes_at_prefill_and_aborts_decode(disagg
     prefill, decode = disagg.workers
     rid = prefill.requests()[-1].request_id
     assert decode.wait_for(lambda: rid in decode.aborted, timeout=2)
+
+
+def test_line_separator_characters_in_text_keep_every_sse_event_on_one_line():
+    import json
+
+    import httpx
+
+    text = "a\u2028b\u2029c\x85d"
+    with RouterHarness() as h, httpx.Client(base_url=h.base_url, timeout=10) as c:
+        h.worker("colo-0", script=toks(text))
+        body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = [x for x in r.iter_lines() if x.startswith("data: {")]  # splits like str.splitlines
+    chunks = [json.loads(x[6:]) for x in lines]
+    assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch.get("choices")) == text
