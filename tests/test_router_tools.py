@@ -13,6 +13,7 @@ import pytest
 from pdserve.protocol.sampling import StructuredOutput
 from pdserve.router.tool_calls import MAX_PARALLEL_CALLS
 from pdserve.text.grammar import MAX_SCHEMA_DEPTH
+from pdserve.text.tokenizer import Tokenizer
 from pdserve.text.tools import Function, call_grammar, call_text
 from tests.fake_worker import RouterHarness
 from tests.helpers.tiny_llama import default_tokenizer
@@ -138,6 +139,35 @@ def test_a_conversation_with_calls_and_results_is_rendered_and_answered(colocate
     prompt = last_prompt(colocated)
     assert ("<|im_start|>assistant\n" + call_text("get_weather", '{"city": "Paris"}') + "<|im_end|>") in prompt
     assert '<|im_start|>user\n<tool_response>\n{"temp_c": 21}\n</tool_response><|im_end|>' in prompt
+
+
+# A template that knows tools (as Qwen2.5's does): it lists them itself and writes a call's
+# arguments from the object transformers passes.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %}{{ t | tojson }};{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "CALL {{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}{% else %}{{ m.content }}{% endif %}"
+    "<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
+
+
+def test_a_template_that_knows_tools_gets_them_and_the_calls_as_objects():
+    base = default_tokenizer()
+    tok = Tokenizer(base.backend, bos_token=base.bos_token, eos_token=base.eos_token, chat_template=TOOLS_TEMPLATE)
+    messages = [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "21 C"},
+    ]
+    with RouterHarness(tokenizer=tok, served_model_name="m", max_body_bytes=1 << 20) as h:
+        h.worker("colo-0", script=script(tok))
+        r = client(h).chat.completions.create(model="m", messages=messages, tools=[WEATHER], max_tokens=200)
+        prompt = last_prompt(h)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert prompt.startswith("<|im_start|>system\nTOOLS:" + json.dumps(Function("get_weather", "Current weather", PARAMS).as_tool()) + ";")
+    assert '<|im_start|>assistant\nCALL get_weather {"city": "Paris"}<|im_end|>' in prompt
+    assert "<|im_start|>tool\n21 C<|im_end|>" in prompt and "# Tools" not in prompt
 
 
 def nested(depth: int) -> dict:

@@ -61,7 +61,7 @@ def call_text(name: str, arguments: str | dict[str, Any]) -> str:
 
 def template_supports_tools(template: str | None) -> bool:
     """Whether a chat template renders tools itself (it names the `tools` variable)."""
-    return bool(template) and _USES_TOOLS.search(template) is not None
+    return template is not None and _USES_TOOLS.search(template) is not None
 
 
 def default_tools_prompt(functions: Sequence[Function], instruction: str = "") -> str:
