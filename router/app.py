@@ -222,7 +222,8 @@ async def _generate(
             )
             trace.routed(state.choices)
         renderer = renderer_cls(
-            request_id, svc.config.served_model_name, len(params), svc.tokenizer, want_logprobs
+            request_id, svc.config.served_model_name, len(params), svc.tokenizer, want_logprobs,
+            tool_calls=svc.tool_plan(req) is not None,
         )
     except APIError as exc:
         if slot is not None:

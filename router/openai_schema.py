@@ -2,11 +2,12 @@
 
 Requests ignore fields we do not know and that change nothing about the answer (clients send
 `user`, `store`, `metadata`...), but every known field is type-checked and a wrong type names its
-`param`, and a field that would change the answer in a way pdserve does not honour (`tools`,
-`logit_bias`, ...) is a 400 naming it rather than a silent drop: `UNSUPPORTED` lists them, and
+`param`, and a field that would change the answer in a way pdserve does not honour
+(`logit_bias`, `functions`, ...) is a 400 naming it rather than a silent drop: `UNSUPPORTED` lists them, and
 README's "The API" section lists both kinds. `structured_output` turns the constraint fields
-(`response_format`, vLLM's `guided_*` and `structured_outputs`) into one `StructuredOutput`. Responses follow OpenAI's shape field for field so
-the official `openai` client parses them.
+(`response_format`, vLLM's `guided_*` and `structured_outputs`) into one `StructuredOutput`;
+`tools` and `tool_choice` are read by router/tool_calls.py. Responses follow OpenAI's shape
+field for field so the official `openai` client parses them.
 """
 
 from __future__ import annotations
@@ -35,12 +36,46 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends JSON text; some clients send the object
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    """A call an assistant made earlier in the conversation."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the schema is always enforced where a call is forced
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -95,9 +130,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
     chat_template: Any = None
@@ -121,11 +156,8 @@ R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
 # their "off" value, they are a 400 naming the field. (field, off values, why)
 UNSUPPORTED: tuple[tuple[str, tuple[Any, ...], str], ...] = (
     ("chat_template", (None,), "the model's own chat template is always used"),
-    ("functions", (None, []), "function calling is not supported"),
-    ("function_call", (None, "none"), "function calling is not supported"),
-    ("tools", (None, []), "tool calling is not supported yet"),
-    ("tool_choice", (None, "none"), "tool calling is not supported yet"),
-    ("parallel_tool_calls", (None, False), "tool calling is not supported yet"),
+    ("functions", (None, []), "the legacy function calling API is not supported; use `tools`"),
+    ("function_call", (None, "none"), "the legacy function calling API is not supported; use `tool_choice`"),
     ("logit_bias", (None, {}), "logit bias is not supported"),
     ("best_of", (None, 1), "best_of is not supported; use n"),
     ("use_beam_search", (None, False), "beam search is not supported"),
@@ -195,11 +227,15 @@ def _check_chat(req: ChatCompletionRequest) -> None:
     if not req.messages:
         raise bad_request("`messages` must contain at least one message", "messages")
     for i, message in enumerate(req.messages):
-        if message.tool_calls:
+        if message.tool_calls and message.role != "assistant":
             raise bad_request(
-                "`tool_calls` in messages are not supported: tool calling is not supported yet",
+                f"only assistant messages carry `tool_calls`, not a {message.role} message",
                 f"messages[{i}].tool_calls",
-                "unsupported_parameter",
+            )
+        if message.role == "tool" and not message.tool_call_id:
+            raise bad_request(
+                "a tool message needs the `tool_call_id` of the call it answers",
+                f"messages[{i}].tool_call_id",
             )
         if message.content is None and message.role != "assistant":
             raise bad_request(
@@ -372,9 +408,29 @@ class ChatMessageOut(msgspec.Struct):
     refusal: None = None
 
 
+class FunctionCallOut(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI gives it
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
+class ChatToolCallsMessageOut(msgspec.Struct):
+    """An answer that made calls: `content` is the text around them, None when there is none."""
+
+    content: str | None
+    tool_calls: list[ToolCallOut]
+    role: str = "assistant"
+    refusal: None = None
+
+
 class ChatChoice(msgspec.Struct):
     index: int
-    message: ChatMessageOut
+    message: ChatMessageOut | ChatToolCallsMessageOut
     logprobs: ChatLogprobs | None
     finish_reason: str | None
 
@@ -389,9 +445,24 @@ class ChatCompletion(msgspec.Struct):
     system_fingerprint: str | None = None
 
 
+class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """A streamed piece of a call: the first has `id`, `type` and the name, the rest arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

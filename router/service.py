@@ -31,7 +31,9 @@ from pdserve.router.openai_schema import (
 )
 from pdserve.router.registry import Hasher, Registry, WorkerState
 from pdserve.router.requests import Choice, RequestState, RequestTracker
+from pdserve.router.tool_calls import ToolPlan, tool_plan
 from pdserve.router.tracing import NO_TRACE, NoTrace
+from pdserve.text import tools as tool_text
 from pdserve.text.grammar import GrammarCompiler, GrammarError
 
 log = logging.getLogger(__name__)
@@ -254,8 +256,19 @@ class RouterService:
                 msg["name"] = m.name
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                msg["tool_calls"] = [msgspec.to_builtins(c) for c in m.tool_calls]
             messages.append(msg)
         kwargs = dict(req.chat_template_kwargs or {})
+        plan = tool_plan(req)
+        if tool_text.template_supports_tools(getattr(self.tokenizer, "chat_template", None)):
+            messages = tool_text.for_template(messages)
+            if plan is not None:
+                kwargs["tools"] = [f.as_tool() for f in plan.functions]
+        else:  # the default format (docs/tools.md)
+            functions = plan.functions if plan is not None else ()
+            instruction = plan.instruction() if plan is not None else ""
+            messages = tool_text.render_default(messages, functions, instruction)
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, **kwargs
@@ -275,26 +288,58 @@ class RouterService:
     ) -> StructuredOutput | None:
         """The request's output constraint, compiled here once so that a bad one is a 400 naming
         its parameter before any worker sees it. Compilation runs on the thread pool under
-        `grammar_timeout` (llguidance's own fuel limits bound the thread's work)."""
+        `grammar_timeout` (llguidance's own fuel limits bound the thread's work).
+
+        Every tool's `parameters` is compiled too, and `tool_choice` "required" or a named
+        function is itself a constraint: the grammar of the calls (router/tool_calls.py)."""
         found = structured_output(req)
+        plan = self.tool_plan(req)
+        if plan is not None:
+            await self._compile(plan.parameter_specs(), "tools")
+            forced = plan.constraint()
+            if forced is not None:
+                if found is not None:
+                    raise bad_request(
+                        f"`tool_choice` {plan.choice!r} constrains the output to tool calls; "
+                        f"it cannot be combined with `{found[1]}`",
+                        found[1],
+                    )
+                found = (forced, "tool_choice")
         if found is None:
             return None
-        spec, param = found
+        await self._compile([found], found[1])
+        return found[0]
+
+    async def _compile(self, specs: list[tuple[StructuredOutput, str]], what: str) -> None:
+        """Compile constraints on the pool, all within one `grammar_timeout`; the first that
+        fails is a 400 naming its field."""
+
+        def check_all() -> tuple[str, GrammarError] | None:
+            for spec, param in specs:
+                try:
+                    self.grammars.check(spec)
+                except GrammarError as exc:
+                    return param, exc
+            return None
+
         loop = asyncio.get_running_loop()
         try:
-            await asyncio.wait_for(
-                loop.run_in_executor(self._pool, self.grammars.check, spec),
-                self.config.grammar_timeout,
+            failed = await asyncio.wait_for(
+                loop.run_in_executor(self._pool, check_all), self.config.grammar_timeout
             )
         except TimeoutError:
             raise bad_request(
-                f"`{param}` took more than {self.config.grammar_timeout:g} s to compile; simplify it",
-                param,
+                f"`{what}` took more than {self.config.grammar_timeout:g} s to compile; simplify it",
+                what,
                 "invalid_structured_output",
             ) from None
-        except GrammarError as exc:
-            raise bad_request(f"invalid `{param}`: {exc}", param, "invalid_structured_output") from None
-        return spec
+        if failed is not None:
+            param, exc = failed
+            raise bad_request(f"invalid `{param}`: {exc}", param, "invalid_structured_output")
+
+    def tool_plan(self, req: ChatCompletionRequest | CompletionRequest) -> ToolPlan | None:
+        """The request's tools when its output is parsed for calls (None: plain content)."""
+        return tool_plan(req) if isinstance(req, ChatCompletionRequest) else None
 
     # --- sampling ------------------------------------------------------------------------
 
