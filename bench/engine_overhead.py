@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
     engine = Engine(EngineConfig(max_num_batched_tokens=1024, max_num_seqs=64, enable_prefix_caching=False), loaded=loaded)
-    print(f"model {loaded.name}, float32, {args.threads} thread(s), median of {args.repeats}")
+    print(f"model {loaded.name}, {engine.config.dtype}, {args.threads} thread(s), median of {args.repeats}")
     print(f"{'case':<24}{'engine ms':>12}{'matmuls ms':>12}{'ratio':>8}{'tokens/s':>12}")
     for batch in (1, 8, 32):
         e = decode_step_time(engine, batch, args.context, args.repeats)

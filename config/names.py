@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 KV_TRANSPORTS = ("tcp", "shm", "cuda_ipc")
-DTYPES = ("float32", "bfloat16", "float16")
+AUTO_DTYPE = "auto"  # bfloat16 where the device computes it natively, else float32 (model/config.py)
+DTYPES = (AUTO_DTYPE, "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("reference", "triton")
 
 # Batching policies of an engine that takes prompts (engine/policies.py implements each).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from pdserve.config.engine import EngineConfig
@@ -21,7 +21,7 @@ from pdserve.engine.policies import make_policy
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pdserve.model.config import ModelConfig, torch_dtype
+from pdserve.model.config import ModelConfig, resolve_dtype, torch_dtype
 from pdserve.model.weights import LoadedModel, load_model
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.text.grammar import GrammarCompiler, GrammarError
@@ -100,6 +100,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  connector: KVConnector | None = None) -> None:
+        config = replace(config, dtype=resolve_dtype(config.dtype, config.device))
         self.config = config
         loaded = loaded or load_model(config.model)
         self.model_name = loaded.name

@@ -19,7 +19,7 @@ from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.engine.scheduler import ScheduledRequest
 from pdserve.kernels.backends import get_backend
 from pdserve.model.attention_metadata import AttentionMetadata
-from pdserve.model.config import ModelConfig, torch_dtype
+from pdserve.model.config import ModelConfig, resolve_dtype, torch_dtype
 from pdserve.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, state_dict, max_model_len: int, num_blocks: int) -> None:
         self.device = torch.device(config.device)
-        self.dtype = torch_dtype(config.dtype)
+        self.dtype = torch_dtype(resolve_dtype(config.dtype, config.device))
         self.block_size = config.block_size
         self.backend = get_backend(self.device, config.attention_backend)
         self.model = LlamaForCausalLM(model_config, self.backend, max_positions=max_model_len)

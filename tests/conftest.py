@@ -10,6 +10,9 @@ import torch
 # One thread: tests also start worker processes, and oversubscribed cores make torch's thread
 # pool collapse (20x slower) on a small shared machine.
 torch.set_num_threads(int(os.environ.get("PDSERVE_TEST_THREADS", "1")))
+# Tests compare with the float32 oracle (transformers) and with each other: pin what the default
+# `--dtype auto` would choose per CPU, for every process the tests start (the flag reads it).
+os.environ.setdefault("PDSERVE_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")

@@ -29,5 +29,5 @@ def full_logits(runner: ModelRunner, token_ids: list[int]) -> torch.Tensor:
 
 
 def make_runner(loaded, num_blocks: int = 64, **kw) -> ModelRunner:
-    cfg = EngineConfig(**kw)
+    cfg = EngineConfig(**{"dtype": "float32", **kw})  # the oracle runs in float32
     return ModelRunner(cfg, loaded.config, loaded.state_dict, max_model_len=2048, num_blocks=num_blocks)

@@ -104,7 +104,7 @@ def test_link_thread_death_makes_ready_fail(tiny):
     with RouterHarness() as h:
         worker = ColocatedWorker.create(
             WorkerOptions(router_address=h.control_address, worker_id="colo-ready", heartbeat_interval=0.1),
-            EngineConfig(model="tiny", num_kv_blocks=64, device="cpu"), loaded=tiny,
+            EngineConfig(dtype="float32", model="tiny", num_kv_blocks=64, device="cpu"), loaded=tiny,
         ).start()
         try:
             assert worker.links.wait_registered(5)
@@ -200,7 +200,7 @@ def test_decode_worker_nacks_kv_of_another_epoch_and_its_routers_fence_drops_wha
     from pdserve.kvtransfer.transport.tcp import TcpKVSender
 
     worker = DecodeWorker.create(WorkerOptions(worker_id="decode-fence", kv_port=0),
-                                 EngineConfig(model="tiny", num_kv_blocks=64), loaded=tiny)
+                                 EngineConfig(dtype="float32", model="tiny", num_kv_blocks=64), loaded=tiny)
     router = "tcp://127.0.0.1:5550"
     worker.links.routes.fence(router, "E1")  # as RouterLinks.poll records the link's first Fence
     try:

@@ -24,7 +24,7 @@ from pdserve.kvtransfer.transport import ReceivedKV, make_receiver
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.worker.loop import model_fingerprint
 
-CFG = EngineConfig(num_kv_blocks=128, block_size=4, max_num_batched_tokens=64)
+CFG = EngineConfig(dtype="float32", num_kv_blocks=128, block_size=4, max_num_batched_tokens=64)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[1 + (7 * i + j) % 300 for j in range(5 + 3 * i)] for i in range(6)]
 WAIT = 30.0
@@ -104,7 +104,7 @@ def pair(tiny, request):
 
 @pytest.fixture(scope="module")
 def colocated(tiny):
-    llm = LLM(loaded=tiny, config=CFG)
+    llm = LLM(dtype="float32", loaded=tiny, config=CFG)
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
@@ -269,7 +269,7 @@ def test_seeded_sampling_across_the_handoff_equals_one_engine(tiny):
     """The prefill worker draws position 0, the decode worker the rest: the draws depend only on
     (seed, position), so the tokens are what the colocated engine draws."""
     seeded = [replace_sampling(temperature=1.0, top_p=0.9, seed=11 + i) for i in range(len(PROMPTS))]
-    llm = LLM(loaded=tiny, config=CFG)
+    llm = LLM(dtype="float32", loaded=tiny, config=CFG)
     expected = [o.token_ids for o in llm.generate(PROMPTS, seeded, use_tqdm=False)]
     pair = Pair(tiny)
     try:

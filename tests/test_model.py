@@ -59,7 +59,7 @@ def test_tiny_logits_match_transformers(tiny, hf_tiny):
 
 
 def test_tiny_greedy_matches_transformers(tiny, hf_tiny):
-    llm = LLM(loaded=tiny, block_size=4, max_model_len=256)
+    llm = LLM(dtype="float32", loaded=tiny, block_size=4, max_model_len=256)
     prompts = [tiny.tokenizer.encode(p) for p in RAW]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     for ids, out in zip(prompts, outs, strict=True):
@@ -79,7 +79,7 @@ def test_smollm2_logits_match_transformers(smollm2, hf_smollm2):
 
 @pytest.mark.slow
 def test_smollm2_greedy_chat_matches_transformers(smollm2, hf_smollm2):
-    llm = LLM(loaded=smollm2, max_model_len=1024)
+    llm = LLM(dtype="float32", loaded=smollm2, max_model_len=1024)
     convs = [[{"role": "user", "content": c}] for c in CHATS]
     outs = llm.chat(convs, GREEDY, use_tqdm=False)
     eos = smollm2.tokenizer.eos_token_id
@@ -89,14 +89,14 @@ def test_smollm2_greedy_chat_matches_transformers(smollm2, hf_smollm2):
 
 @pytest.mark.slow
 def test_smollm2_answers_paris(smollm2):
-    llm = LLM(loaded=smollm2, max_model_len=1024)
+    llm = LLM(dtype="float32", loaded=smollm2, max_model_len=1024)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY, use_tqdm=False)[0]
     assert "Paris" in out.text
 
 
 @pytest.mark.slow
 def test_smollm2_batched_equals_alone(smollm2):
-    llm = LLM(loaded=smollm2, max_model_len=1024)
+    llm = LLM(dtype="float32", loaded=smollm2, max_model_len=1024)
     texts = [f"Story {i}: " + "once upon a time " * (i * 3) for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     together = llm.generate(texts, params, use_tqdm=False)

@@ -49,6 +49,7 @@ _ids = itertools.count()
 
 def _llm(smollm2, policy: str, **kw) -> LLM:
     kw.setdefault("num_kv_blocks", 160)
+    kw.setdefault("dtype", "float32")
     kw.setdefault("block_size", BLOCK)
     return LLM(
         loaded=smollm2,

@@ -124,7 +124,7 @@ def test_stop_token_outside_vocabulary_is_refused():
 
 @pytest.fixture(scope="module")
 def llm(tiny):
-    return LLM(loaded=tiny, block_size=4)
+    return LLM(dtype="float32", loaded=tiny, block_size=4)
 
 
 def test_seeded_request_is_the_same_alone_and_in_a_batch(llm):

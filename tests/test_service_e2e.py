@@ -34,7 +34,7 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def oracle(tiny):
     """What the offline engine answers, greedy, for CHAT and PROMPT (text and token count)."""
-    llm = LLM(loaded=tiny)
+    llm = LLM(dtype="float32", loaded=tiny)
     eos = tuple(tiny.tokenizer.stop_token_ids)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=eos)
     chat = llm.chat(CHAT, params, use_tqdm=False)[0]

@@ -57,7 +57,7 @@ def decode_between_two_routers(tiny):
     worker = DecodeWorker.create(
         WorkerOptions(router_address=f"{a.address},{b.address}", worker_id="decode-2r", kv_port=0,
                       heartbeat_interval=0.1),
-        EngineConfig(model="tiny", num_kv_blocks=64), loaded=tiny).start()
+        EngineConfig(dtype="float32", model="tiny", num_kv_blocks=64), loaded=tiny).start()
     loop = threading.Thread(target=worker.run, name="decode-loop", daemon=True)
     loop.start()
     try:

@@ -18,7 +18,7 @@ from pdserve.protocol.sampling import SamplingParams
 from pdserve.worker.colocated import ColocatedWorker
 from pdserve.worker.loop import model_fingerprint
 
-CFG = EngineConfig(num_kv_blocks=64, block_size=4)
+CFG = EngineConfig(dtype="float32", num_kv_blocks=64, block_size=4)
 OPTIONS = WorkerOptions(host="127.0.0.1", kv_port=0, health_port=0)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 ROUTER = "tcp://127.0.0.1:5550"

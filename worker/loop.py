@@ -23,6 +23,7 @@ from pdserve.config.log_limits import RateLimitedLog
 from pdserve.config.router_address import parse_router_addresses
 from pdserve.config.worker import WorkerOptions
 from pdserve.engine.engine import Engine, EngineLoad, RequestOutput, RequestRejected
+from pdserve.model.config import resolve_dtype
 from pdserve.model.weights import LoadedModel
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import (
@@ -55,7 +56,7 @@ def model_fingerprint(engine_config: EngineConfig, loaded: LoadedModel) -> Model
     m = loaded.config
     return ModelFingerprint(
         model=loaded.name, architecture=m.architecture, num_layers=m.num_layers,
-        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=engine_config.dtype,
+        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=resolve_dtype(engine_config.dtype, engine_config.device),
         block_size=engine_config.block_size,
     )
 
