@@ -51,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          "with no prefill worker left, a decode worker prefills a request itself (conditional disaggregation)",
          action=argparse.BooleanOptionalAction)
     flag("--drain-timeout", 30.0, "on SIGTERM, how long in-flight requests may still run")
+    flag("--grammar-timeout", 5.0,
+         "seconds a structured-output constraint or tool schema may take to compile (400 after)")
     add_secret_arguments(g)  # --secret-file / --insecure: the control plane's authentication
     # SUPPRESS: under `pdserve router` the top-level --log-level keeps its value.
     g.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR")
@@ -108,6 +110,7 @@ def config_from_args(args: argparse.Namespace, model_name: str):
         tokenize_threads=getattr(args, "tokenize_threads", 1),
         migration_limit=args.migration_limit,
         prefill_fallback=args.prefill_fallback,
+        grammar_timeout=args.grammar_timeout,
     )
 
 

@@ -109,3 +109,14 @@ def test_a_bad_constraint_is_a_400_naming_it_and_the_next_request_succeeds(route
     ok = http.post(C, json=chat(response_format={"type": "json_object"}))
     assert ok.status_code == 200
     assert router.service.inflight == 0
+
+
+def test_the_compile_time_bound_is_a_router_flag():
+    import argparse
+
+    from pdserve.router.cli import add_arguments, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert config_from_args(p.parse_args([]), "m").grammar_timeout == 5.0
+    assert config_from_args(p.parse_args(["--grammar-timeout", "0.5"]), "m").grammar_timeout == 0.5
