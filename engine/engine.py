@@ -195,9 +195,7 @@ class Engine:
             failed = self.scheduler.fail(out, self.connector.worker.load(out.kv.loads, self.runner))
             load_failed = {r.request_id for r in failed}
             ended += failed
-        outputs = [RequestOutput(r.request_id, [], r.status.value, num_prompt_tokens=r.num_prompt_tokens,
-                                 error=r.error, position=r.num_output_tokens,
-                                 retry="kv_failed" if r.request_id in load_failed else "") for r in ended]
+        outputs = [self._ended(r, "kv_failed" if r.request_id in load_failed else "") for r in ended]
         if out.empty:
             return outputs
         samplers, result = self.runner.execute(out.scheduled)
@@ -208,8 +206,7 @@ class Engine:
                 del sampled[rid]
             for r in self.scheduler.fail(out, failures):
                 log.warning("request %s: %s", r.request_id, r.error)
-                outputs.append(RequestOutput(r.request_id, [], r.status.value, num_prompt_tokens=r.num_prompt_tokens,
-                                             error=r.error, position=r.num_output_tokens))
+                outputs.append(self._ended(r))
         now = time.time()
         self.scheduler.update(out, sampled)
         held = self.scheduler.held
@@ -227,6 +224,12 @@ class Engine:
         self._saves.extend(out.kv.saves)
         self._record(start, now, out)
         return outputs
+
+    @staticmethod
+    def _ended(r: Request, retry: str = "") -> RequestOutput:
+        """The output of a request that ended this step without a token."""
+        return RequestOutput(r.request_id, [], r.status.value, num_prompt_tokens=r.num_prompt_tokens,
+                             error=r.error, position=r.num_output_tokens, retry=retry)
 
     def save_kv(self) -> None:
         """Hand the KV of requests held this step to the connector (after their outputs are out,

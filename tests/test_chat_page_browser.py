@@ -9,6 +9,8 @@ error display. Skipped, with the reason, only where no Chromium is installed.
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import openai
 import pytest
@@ -27,6 +29,9 @@ MAX_TOKENS = 12
 def browser():
     found = find_chromium()
     if isinstance(found, str):
+        # .ci/run sets this once Chromium is installed: from then on, not finding it is a failure.
+        if os.environ.get("PDSERVE_REQUIRE_BROWSER"):
+            pytest.fail(f"Chromium was installed but cannot be used: {found}")
         pytest.skip(found)
     driver = headless_chromium(*found)
     yield driver
