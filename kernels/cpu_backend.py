@@ -1,0 +1,31 @@
+"""The compiled CPU backend: paged decode attention in C++ (kernels/csrc/cpu_attention.cpp).
+
+Decode reads each sequence's keys and values in place from the paged cache, one work item per
+(sequence, KV head), parallel over torch's intra-op threads. Prefill and store_kv stay the
+reference's (SDPA and index_copy_ already run at the machine's rate). Dtypes other than float32
+and bfloat16, or a cache whose dtype differs from q's, fall back to the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.kernels.interface import check_shapes
+from pdserve.kernels.reference import ReferenceBackend
+
+COMPILED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class CpuBackend(ReferenceBackend):
+    name = "cpu"
+
+    def __init__(self, ops: object) -> None:
+        self.ops = ops
+
+    def decode_attention(self, q, k_cache, v_cache, seq_lens, block_tables, scale) -> torch.Tensor:
+        check_shapes(q, k_cache, v_cache)
+        if q.dtype not in COMPILED_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or q.device.type != "cpu":
+            return super().decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale)
+        return self.ops.decode_attention(  # type: ignore[attr-defined]
+            q, k_cache, v_cache, seq_lens.to(torch.int32), block_tables.to(torch.int32).contiguous(), float(scale)
+        )

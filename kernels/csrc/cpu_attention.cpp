@@ -1,0 +1,351 @@
+// Paged decode attention for the CPU: one query token per sequence against its paged KV cache,
+// read in place (no gather, no padded copy). Built on the machine that runs it by
+// kernels/cpu_ops.py through torch.utils.cpp_extension; kernels/reference.py is its oracle.
+//
+// Layout (kernels/interface.py): q [B, Hq, D]; k_cache/v_cache [N, S, Hkv, D];
+// seq_lens [B] int32; block_tables [B, M] int32. Query heads h*G .. h*G+G-1 share KV head h.
+//
+// Work item = (sequence, KV head): its G query heads are scored together, so each key and value
+// row is read from memory once per group. Scores are kept in float32 for the whole context, then
+// softmaxed exactly (max-subtracted), then the weighted sum of values accumulates in float32.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Eight floats: one AVX2 register (two SSE ones, half an AVX-512 one); GCC and Clang lower these
+// vector types to whatever -march=native offers.
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+inline v8 load8(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+  v8 r;
+  std::memcpy(&r, &w, sizeof r);
+  return r;
+}
+inline float hsum(v8 a) {
+  float s = 0.f;
+  for (int i = 0; i < 8; ++i) s += a[i];
+  return s;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }
+
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+// exp(x) for x <= 0, eight at a time, to about 2e-7 relative: x = n ln2 + r with |r| <= ln2/2,
+// exp(r) by its degree-6 Taylor polynomial, 2^n through the exponent bits. Branch-free.
+inline v8 exp_nonpositive(v8 x) {
+  x = x < -87.f ? v8{} - 87.f : x;
+  const i32x8 n = __builtin_convertvector(x * 1.4426950408889634f - 0.5f, i32x8);  // round, as x <= 0
+  const v8 nf = __builtin_convertvector(n, v8);
+  const v8 r = (x - nf * 0.693145751953125f) - nf * 1.4286067653302e-06f;
+  v8 p = v8{} + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  return p * (v8)((n + 127) << 23);
+}
+
+// In place: s = softmax(s) over n scores.
+inline void softmax(float* __restrict s, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+  v8 vsum = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const v8 e = exp_nonpositive(load8(s + i) - m);
+    std::memcpy(s + i, &e, sizeof e);
+    vsum += e;
+  }
+  float sum = hsum(vsum);
+  for (; i < n; ++i) {  // the tail, through one padded vector
+    v8 x = v8{} - 100.f;
+    x[0] = s[i] - m;
+    s[i] = exp_nonpositive(x)[0];
+    sum += s[i];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+}
+
+// out[g] = sum over pos of p[g * ctx + pos] * v[pos], for the G query heads of one KV head. The
+// accumulators of NC 8-float chunks of every head stay in registers across the positions (G * NC
+// independent FMA chains); each value row is loaded once for the group. Needs d % (8 NC) == 0.
+template <int G, int NC, typename T>
+void weighted_sum_vec(const float* p, const T* vp, const int64_t* rows, int64_t ctx, int64_t d, float* out) {
+  for (int64_t c = 0; c < d; c += 8 * NC) {
+    v8 acc[G][NC] = {};
+    for (int64_t pos = 0; pos < ctx; ++pos) {
+      const T* vrow = vp + rows[pos] + c;
+      if (pos + 8 < ctx) {
+        const char* ahead = reinterpret_cast<const char*>(vp + rows[pos + 8] + c);
+        for (int64_t b = 0; b < 8 * NC * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(ahead + b);
+      }
+      v8 x[NC];
+      for (int k = 0; k < NC; ++k) x[k] = load8(vrow + 8 * k);
+      for (int g = 0; g < G; ++g) {
+        const float w = p[g * ctx + pos];
+        for (int k = 0; k < NC; ++k) acc[g][k] += w * x[k];
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int k = 0; k < NC; ++k) std::memcpy(out + g * d + c + 8 * k, &acc[g][k], sizeof(v8));
+  }
+}
+
+template <int G, typename T>
+void weighted_sum_g(const float* p, const T* vp, const int64_t* rows, int64_t ctx, int64_t d, float* out) {
+  constexpr int NC = G <= 3 ? 4 : (G <= 6 ? 2 : 1);
+  if (d % (8 * NC) == 0) return weighted_sum_vec<G, NC>(p, vp, rows, ctx, d, out);
+  weighted_sum_vec<G, 1>(p, vp, rows, ctx, d, out);
+}
+
+// acc += p * v
+template <typename T>
+inline void axpy(float* __restrict acc, float p, const T* __restrict v, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) acc[i] += p * to_float(v[i]);
+}
+
+struct Geometry {
+  int64_t group, d, block_size, c_sn, c_ss, c_sh;
+};
+
+// Offsets (in elements) of KV head h's row at every position 0..ctx-1 of one sequence, walking
+// its blocks in order (no division per position).
+inline void row_offsets(const int32_t* blocks, int64_t h, int64_t ctx, const Geometry& geo, std::vector<int64_t>& rows) {
+  rows.resize(ctx);
+  int64_t pos = 0;
+  for (int64_t j = 0; pos < ctx; ++j) {
+    const int64_t base = blocks[j] * geo.c_sn + h * geo.c_sh;
+    for (int64_t t = 0; t < geo.block_size && pos < ctx; ++t, ++pos) rows[pos] = base + t * geo.c_ss;
+  }
+}
+
+// scores[g * ctx + pos] = qf[g] . k[pos] for the G query heads of one KV head. G is a template
+// parameter so the G accumulators of two positions at a time stay in registers (2G independent
+// FMA chains); each key row is loaded once for the whole group. Needs d % 8 == 0.
+template <int G, typename T>
+void scores_vec(const float* qf, const T* kp, const int64_t* rows, int64_t ctx, const Geometry& geo,
+                float* scores) {
+  const int64_t d = geo.d;
+  int64_t pos = 0;
+  for (; pos + 1 < ctx; pos += 2) {
+    const T* k0 = kp + rows[pos];
+    const T* k1 = kp + rows[pos + 1];
+    if (pos + 8 < ctx) {  // rows of another block are not where the hardware prefetcher looks
+      const char* ahead0 = reinterpret_cast<const char*>(kp + rows[pos + 8]);
+      const char* ahead1 = reinterpret_cast<const char*>(kp + rows[pos + 9 < ctx ? pos + 9 : pos + 8]);
+      for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) {
+        __builtin_prefetch(ahead0 + b);
+        __builtin_prefetch(ahead1 + b);
+      }
+    }
+    v8 a0[G] = {}, a1[G] = {};
+    for (int64_t i = 0; i < d; i += 8) {
+      const v8 x0 = load8(k0 + i), x1 = load8(k1 + i);
+      for (int g = 0; g < G; ++g) {
+        const v8 qv = load8(qf + g * d + i);
+        a0[g] += qv * x0;
+        a1[g] += qv * x1;
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      scores[g * ctx + pos] = hsum(a0[g]);
+      scores[g * ctx + pos + 1] = hsum(a1[g]);
+    }
+  }
+  for (; pos < ctx; ++pos) {
+    const T* k0 = kp + rows[pos];
+    v8 a0[G] = {};
+    for (int64_t i = 0; i < d; i += 8) {
+      const v8 x0 = load8(k0 + i);
+      for (int g = 0; g < G; ++g) a0[g] += load8(qf + g * d + i) * x0;
+    }
+    for (int g = 0; g < G; ++g) scores[g * ctx + pos] = hsum(a0[g]);
+  }
+}
+
+// The same for any group size and head size.
+template <typename T>
+void scores_any(const float* qf, const T* kp, const int64_t* rows, int64_t ctx, const Geometry& geo,
+                float* scores) {
+  for (int64_t pos = 0; pos < ctx; ++pos) {
+    const T* krow = kp + rows[pos];
+    for (int64_t g = 0; g < geo.group; ++g) {
+      const float* qg = qf + g * geo.d;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t i = 0; i < geo.d; ++i) acc += qg[i] * to_float(krow[i]);
+      scores[g * ctx + pos] = acc;
+    }
+  }
+}
+
+template <typename T>
+void scores_dispatch(const float* qf, const T* kp, const int64_t* rows, int64_t ctx, const Geometry& geo,
+                     float* scores) {
+  if (geo.d % 8 == 0) {
+    switch (geo.group) {
+      case 1: return scores_vec<1>(qf, kp, rows, ctx, geo, scores);
+      case 2: return scores_vec<2>(qf, kp, rows, ctx, geo, scores);
+      case 3: return scores_vec<3>(qf, kp, rows, ctx, geo, scores);
+      case 4: return scores_vec<4>(qf, kp, rows, ctx, geo, scores);
+      case 5: return scores_vec<5>(qf, kp, rows, ctx, geo, scores);
+      case 6: return scores_vec<6>(qf, kp, rows, ctx, geo, scores);
+      case 7: return scores_vec<7>(qf, kp, rows, ctx, geo, scores);
+      case 8: return scores_vec<8>(qf, kp, rows, ctx, geo, scores);
+      default: break;
+    }
+  }
+  scores_any(qf, kp, rows, ctx, geo, scores);
+}
+
+template <typename T>
+void weighted_sum_any(const float* p, const T* vp, const int64_t* rows, int64_t ctx, const Geometry& geo, float* out) {
+  std::fill(out, out + geo.group * geo.d, 0.f);
+  for (int64_t pos = 0; pos < ctx; ++pos) {
+    const T* vrow = vp + rows[pos];
+    for (int64_t g = 0; g < geo.group; ++g) axpy(out + g * geo.d, p[g * ctx + pos], vrow, geo.d);
+  }
+}
+
+template <typename T>
+void weighted_sum_dispatch(const float* p, const T* vp, const int64_t* rows, int64_t ctx, const Geometry& geo,
+                           float* out) {
+  if (geo.d % 8 == 0) {
+    switch (geo.group) {
+      case 1: return weighted_sum_g<1>(p, vp, rows, ctx, geo.d, out);
+      case 2: return weighted_sum_g<2>(p, vp, rows, ctx, geo.d, out);
+      case 3: return weighted_sum_g<3>(p, vp, rows, ctx, geo.d, out);
+      case 4: return weighted_sum_g<4>(p, vp, rows, ctx, geo.d, out);
+      case 5: return weighted_sum_g<5>(p, vp, rows, ctx, geo.d, out);
+      case 6: return weighted_sum_g<6>(p, vp, rows, ctx, geo.d, out);
+      case 7: return weighted_sum_g<7>(p, vp, rows, ctx, geo.d, out);
+      case 8: return weighted_sum_g<8>(p, vp, rows, ctx, geo.d, out);
+      default: break;
+    }
+  }
+  weighted_sum_any(p, vp, rows, ctx, geo, out);
+}
+
+template <typename T>
+void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
+                   at::Tensor& out) {
+  const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t hkv = k_cache.size(2);
+  const Geometry geo{hq / hkv, d, k_cache.size(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
+  const int64_t group = geo.group;
+  const int64_t q_sb = q.stride(0), q_sh = q.stride(1);
+  const int64_t t_sb = block_tables.stride(0);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* table = block_tables.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), scores;
+    std::vector<int64_t> rows;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / hkv, h = item % hkv;
+      const int64_t ctx = lens[b];
+      T* o = op + b * hq * d + h * group * d;  // out is contiguous
+      if (ctx <= 0) {
+        std::fill(o, o + group * d, from_float<T>(0.f));
+        continue;
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = qp + b * q_sb + (h * group + g) * q_sh;
+        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(src[i]) * fscale;
+      }
+      scores.resize(group * ctx);
+      const int32_t* blocks = table + b * t_sb;
+      row_offsets(blocks, h, ctx, geo, rows);
+      scores_dispatch(qf.data(), kp, rows.data(), ctx, geo, scores.data());
+      for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * ctx, ctx);
+      weighted_sum_dispatch(scores.data(), vp, rows.data(), ctx, geo, acc.data());
+      for (int64_t i = 0; i < group * d; ++i) o[i] = from_float<T>(acc[i]);
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "pdserve_cpu.decode_attention runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "expected q [B,Hq,D] and cache [N,S,Hkv,D]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "k_cache and v_cache must have the same shape and strides");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the cache must share a dtype");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1, "the head dimension must be contiguous");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "head size of q and cache differ");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && block_tables.scalar_type() == at::kInt,
+              "seq_lens and block_tables must be int32");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0), "seq_lens must be [B]");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && block_tables.stride(1) == 1,
+              "block_tables must be [B, M] with contiguous rows");
+  at::Tensor lens = seq_lens.contiguous();
+  // Every block a sequence reads must exist: checked here, once, so the kernel never reads out of
+  // bounds whatever the caller passes.
+  const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0), width = block_tables.size(1);
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const int32_t* tp = block_tables.data_ptr<int32_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    const int64_t need = (static_cast<int64_t>(lp[b]) + block_size - 1) / block_size;
+    TORCH_CHECK(need <= width, "sequence ", b, " needs ", need, " blocks but its table holds ", width);
+    for (int64_t j = 0; j < need; ++j) {
+      const int32_t id = tp[b * block_tables.stride(0) + j];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "sequence ", b, " block ", j, " is ", id, ", outside the cache");
+    }
+  }
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.scalar_type() == at::kFloat) {
+    decode_kernel<float>(q, k_cache, v_cache, lens, block_tables, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    decode_kernel<c10::BFloat16>(q, k_cache, v_cache, lens, block_tables, scale, out);
+  } else {
+    TORCH_CHECK(false, "pdserve_cpu.decode_attention supports float32 and bfloat16, not ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve_cpu, m) {
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_lens, Tensor block_tables, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }

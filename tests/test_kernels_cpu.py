@@ -1,0 +1,135 @@
+"""The compiled CPU backend (kernels/csrc/cpu_attention.cpp) against the dense float64 oracle and
+the PyTorch reference: odd lengths, page sizes 1/7/16, GQA groups on the vectorised paths (1-8)
+and past them (9), head sizes that are and are not a multiple of 8, shuffled tables padded with
+-1 over caches whose unused slots hold NaN, float32 and bfloat16, strided q as the model passes
+it. Bad tables raise instead of reading outside the cache. The build itself, its cache key and
+the fallback to the reference when it cannot build are tested too."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pdserve.kernels import cpu_ops
+from pdserve.kernels.backends import get_backend
+from pdserve.kernels.cpu_backend import CpuBackend
+from pdserve.kernels.reference import ReferenceBackend
+from pdserve.kernels.testing import make_case
+from tests.test_kernels_reference import oracle
+
+
+@pytest.fixture(scope="module")
+def backend() -> CpuBackend:
+    ops = cpu_ops.load()
+    assert ops is not None, "the CPU kernels must build on a machine with a C++ compiler (see the log)"
+    return CpuBackend(ops)
+
+
+def decode_case(ctx_lens, *, group, head_dim, block_size, num_kv_heads=2, dtype=torch.float32, seed=0):
+    return make_case([1] * len(ctx_lens), [c - 1 for c in ctx_lens], num_kv_heads=num_kv_heads, group=group,
+                     head_dim=head_dim, block_size=block_size, dtype=dtype, seed=seed)
+
+
+def run(backend, case):
+    return backend.decode_attention(case.decode_q, case.k_cache, case.v_cache, case.seq_lens, case.block_tables, case.scale)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("head_dim", [16, 64, 12])
+def test_decode_equals_dense_attention(backend, group, head_dim):
+    case = decode_case([1, 2, 17, 33, 300], group=group, head_dim=head_dim, block_size=16, seed=group)
+    torch.testing.assert_close(run(backend, case).double(), oracle(case), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+@pytest.mark.parametrize("ctx", [1, 8, 9, 1025])
+def test_decode_over_page_sizes_and_lengths(backend, block_size, ctx):
+    case = decode_case([ctx, max(1, ctx // 3)], group=3, head_dim=64, block_size=block_size, seed=ctx)
+    out = run(backend, case)
+    assert not out.isnan().any(), "read a NaN slot outside a sequence's tokens"
+    torch.testing.assert_close(out.double(), oracle(case), atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_matches_the_reference_within_its_precision(backend):
+    case = decode_case([5, 64, 257], group=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    out = run(backend, case)
+    assert out.dtype == torch.bfloat16
+    expected = ReferenceBackend().decode_attention(case.decode_q, case.k_cache, case.v_cache, case.seq_lens,
+                                                   case.block_tables, case.scale)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_strided_q_as_the_model_passes_it(backend):
+    """The model's q is a view into the fused qkv projection: rows are strided, heads are not."""
+    case = decode_case([3, 40], group=3, head_dim=64, block_size=16)
+    q = case.decode_q
+    packed = torch.cat([q.reshape(q.shape[0], -1), torch.randn(q.shape[0], 100)], dim=1)
+    strided = packed[:, : q.shape[1] * q.shape[2]].view(q.shape)
+    assert not strided.is_contiguous()
+    out = backend.decode_attention(strided, case.k_cache, case.v_cache, case.seq_lens, case.block_tables, case.scale)
+    torch.testing.assert_close(out.double(), oracle(case), atol=1e-5, rtol=1e-5)
+
+
+def test_a_sequence_of_length_zero_gets_zeros(backend):
+    case = decode_case([4, 4], group=2, head_dim=16, block_size=4)
+    lens = case.seq_lens.clone()
+    lens[1] = 0
+    out = backend.decode_attention(case.decode_q, case.k_cache, case.v_cache, lens, case.block_tables, case.scale)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    torch.testing.assert_close(out[0].double(), oracle(case)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", ["negative id", "id past the cache", "table too short"])
+def test_a_bad_block_table_raises_instead_of_reading_out_of_bounds(backend, bad):
+    case = decode_case([20, 5], group=2, head_dim=16, block_size=4)
+    tables, lens = case.block_tables.clone(), case.seq_lens.clone()
+    if bad == "negative id":
+        tables[0, 1] = -1
+    elif bad == "id past the cache":
+        tables[1, 0] = case.k_cache.shape[0]
+    else:
+        lens[0] = 4 * tables.shape[1] + 1
+    with pytest.raises(RuntimeError, match="block|table"):
+        backend.decode_attention(case.decode_q, case.k_cache, case.v_cache, lens, tables, case.scale)
+
+
+def test_other_dtypes_run_the_reference(backend):
+    case = decode_case([3, 9], group=2, head_dim=16, block_size=4).to(torch.float16)
+    out = run(backend, case)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.double(), oracle(case), atol=2e-3, rtol=2e-3)
+
+
+def test_the_cpu_is_the_default_backend_on_cpu(monkeypatch):
+    monkeypatch.delenv("PDSERVE_ATTENTION_BACKEND", raising=False)
+    assert isinstance(get_backend("cpu"), CpuBackend)
+    assert type(get_backend("cpu", "reference")) is ReferenceBackend
+
+
+def test_a_failed_build_falls_back_to_the_reference_with_a_warning(monkeypatch, caplog):
+    def broken():
+        raise OSError("no C++ compiler")
+
+    monkeypatch.setattr(cpu_ops, "_state", {})
+    monkeypatch.setattr(cpu_ops, "_build", broken)
+    monkeypatch.delenv(cpu_ops.REQUIRE_ENV, raising=False)
+    monkeypatch.delenv("PDSERVE_ATTENTION_BACKEND", raising=False)
+    with caplog.at_level(logging.WARNING, logger="pdserve.kernels.cpu_ops"):
+        assert type(get_backend("cpu")) is ReferenceBackend
+    assert "no C++ compiler" in caplog.text
+    with pytest.raises(RuntimeError, match="did not build"):
+        get_backend("cpu", "cpu")
+    monkeypatch.setattr(cpu_ops, "_state", {})
+    monkeypatch.setenv(cpu_ops.REQUIRE_ENV, "1")
+    with pytest.raises(RuntimeError, match="required"):
+        cpu_ops.load()
+
+
+def test_the_build_is_cached_per_cpu_and_source(monkeypatch, tmp_path):
+    key = cpu_ops.build_key()
+    monkeypatch.setattr(cpu_ops, "_cpu_signature", lambda: "model name: another CPU\nflags: sse2")
+    assert cpu_ops.build_key() != key
+    monkeypatch.setenv(cpu_ops.CACHE_ENV, str(tmp_path))
+    assert cpu_ops.cache_dir().parent == tmp_path
