@@ -9,6 +9,7 @@ Results: one table, `compare.json`, and bar/CDF plots side by side.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -73,19 +74,38 @@ def _log_tail(path: Path, n: int = 2000) -> str:
     return ""
 
 
-def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float, log_path: Path) -> None:
-    """Poll `url` until it answers 200; fail early if the process exits."""
+# Where each kind of server says it is ready: pdserve's router answers /ready 200 once a worker of
+# each role is up; vLLM and llama-server have no /ready (404) but answer /health 200 once their
+# model is loaded (llama-server: 503 while loading).
+READY_FALLBACK = "/health"
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float, log_path: Path) -> str:
+    """Poll `url` until it answers 200 and return the URL that did; a 404 there (a server with no
+    such endpoint) moves the poll to /health. Fail early if the process exits."""
     deadline = time.monotonic() + timeout_s
+    fallback = httpx.URL(url).copy_with(path=READY_FALLBACK)
     with httpx.Client(timeout=2.0) as client:
         while True:
             if proc.poll() is not None:
                 raise DeploymentError(f"exited with code {proc.returncode} before ready; log tail:\n{_log_tail(log_path)}")
             with contextlib.suppress(httpx.HTTPError):
-                if client.get(url).status_code == 200:
-                    return
+                status = client.get(url).status_code
+                if status == 200:
+                    return str(url)
+                if status == 404 and httpx.URL(url) != fallback:
+                    log.info("%s answers 404: polling %s instead", url, fallback)
+                    url = str(fallback)
+                    continue
             if time.monotonic() > deadline:
                 raise DeploymentError(f"not ready at {url} after {timeout_s:g}s; log tail:\n{_log_tail(log_path)}")
             time.sleep(0.1)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Started:
+    base_url: str
+    startup_s: float  # from the process's start until it answered ready
 
 
 def stop(proc: subprocess.Popen, timeout_s: float) -> None:
@@ -105,8 +125,8 @@ def stop(proc: subprocess.Popen, timeout_s: float) -> None:
 
 @contextlib.contextmanager
 def running(dep: Deployment, out_dir: Path, ready_timeout_s: float, stop_timeout_s: float,
-            ready_path: str = "/ready") -> Iterator[str]:
-    """Start `dep`, yield its base URL once ready, and always stop it."""
+            ready_path: str = "/ready") -> Iterator[Started]:
+    """Start `dep`, yield its base URL and start-up time once ready, and always stop it."""
     port = free_port()
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / "server.log"
@@ -120,8 +140,11 @@ def running(dep: Deployment, out_dir: Path, ready_timeout_s: float, stop_timeout
             raise DeploymentError(f"cannot run {argv[0]!r}: {e}") from e
         try:
             base_url = f"http://127.0.0.1:{port}"
+            started = time.monotonic()
             wait_ready(proc, base_url + ready_path, ready_timeout_s, log_path)
-            yield base_url
+            startup_s = time.monotonic() - started
+            log.info("%s ready after %.1f s", dep.name, startup_s)
+            yield Started(base_url, startup_s)
         finally:
             stop(proc, stop_timeout_s)
 
@@ -129,7 +152,7 @@ def running(dep: Deployment, out_dir: Path, ready_timeout_s: float, stop_timeout
 _COLUMNS = [("completed", "ok"), ("failed", "failed"), ("request_throughput", "req/s"),
             ("output_throughput", "out tok/s"), ("p50_ttft_ms", "TTFT p50"), ("p99_ttft_ms", "TTFT p99"),
             ("p50_tbt_ms", "TBT p50"), ("p99_tbt_ms", "TBT p99"), ("slo_attainment", "SLO %"),
-            ("goodput", "goodput")]
+            ("goodput", "goodput"), ("startup_s", "start-up s")]
 
 
 def compare_table(results: dict[str, dict]) -> str:
@@ -138,7 +161,7 @@ def compare_table(results: dict[str, dict]) -> str:
         if "error" in s:
             rows.append([name] + ["-"] * (len(_COLUMNS) - 1) + [f"error: {s['error'].splitlines()[0][:40]}"])
             continue
-        rows.append([name] + [100 * s[k] if k == "slo_attainment" else s[k] for k, _ in _COLUMNS])
+        rows.append([name] + [100 * s[k] if k == "slo_attainment" else s.get(k, float("nan")) for k, _ in _COLUMNS])
     return report.format_table(["deployment"] + [h for _, h in _COLUMNS], rows)
 
 
@@ -157,9 +180,10 @@ def run_compare(deployments: Sequence[Deployment], plan: Plan, out_dir: Path, re
     for dep in deployments:
         dep_dir = out_dir / dep.name
         try:
-            with running(dep, dep_dir, ready_timeout_s, stop_timeout_s) as base_url:
-                target = plan.with_target(base_url)
+            with running(dep, dep_dir, ready_timeout_s, stop_timeout_s) as started:
+                target = plan.with_target(started.base_url)
                 results[dep.name] = run_point(target, dep_dir, label=dep.name)
+                results[dep.name]["startup_s"] = started.startup_s
                 if rates:
                     sw = run_sweep(target, rates, dep_dir / "sweep", attainment_target, label=dep.name)
                     results[dep.name]["max_rate_meeting_slo"] = sw["max_rate_meeting_slo"]

@@ -1,11 +1,19 @@
-"""Engine overhead: decode step time and prefill throughput next to the model's bare matmuls.
+"""Engine overhead and roofline: decode steps and prefills next to the model's bare matmuls and
+next to what this machine can do at best.
 
-    python -m pdserve.bench.engine_overhead [--threads 1] [--model default]
+    python -m pdserve.bench.engine_overhead [--threads 1] [--model default] [--dtype float32]
 
-For each case the same run times (a) one engine step through the scheduler, runner, paged
-attention and sampler, and (b) only the matmuls of the same model on the same number of tokens
-(every projection of every layer plus the LM head rows that sample). The ratio a/b is the
-engine's overhead: attention, norms, rotary, packing, sampling and Python.
+The same run first measures the machine: its GEMM rate (a square matmul in the engine's dtype)
+and its memory read bandwidth (a sum over a tensor far larger than the caches). Then, for each
+case, it times (a) one engine step through the scheduler, runner, paged attention and sampler,
+and (b) only the matmuls of the same model on the same number of tokens (every projection of
+every layer plus the LM head rows that sample). a/b is the engine's overhead: attention, norms,
+rotary, packing, sampling and Python.
+
+The roofline of a step is the larger of its bytes over the bandwidth (every weight once, plus
+every KV byte a decode reads) and its FLOPs over the GEMM rate (matmuls and attention); "of
+roofline" is roofline / measured, 1.0 at the limit. For a prefill, "of GEMM" is its FLOP rate
+over the machine's GEMM rate.
 """
 
 from __future__ import annotations
@@ -23,21 +31,62 @@ from pdserve.model.weights import load_model
 from pdserve.protocol.sampling import SamplingParams
 
 
-def bare_matmuls(engine: Engine, tokens: int, sampled_rows: int, repeats: int) -> float:
-    """Median seconds of every weight matmul of the model for `tokens` tokens."""
-    model = engine.runner.model
-    # The model's own weight tensors, in the layout it uses ([in, out] contiguous, see Linear).
-    weights = [m.weight.t() for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
-    x = {w.shape[0]: torch.randn(tokens, w.shape[0]) for w in weights}
-    head = torch.randn(sampled_rows, model.lm_head.weight.shape[1])
+def machine_gemm_rate(dtype: torch.dtype, repeats: int, n: int = 1024) -> float:
+    """FLOP/s of an n x n x n matmul, median of `repeats` (after one warm-up)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.matmul(a, b)
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        for w in weights:
-            torch.matmul(x[w.shape[0]], w)
-        torch.matmul(head, model.lm_head.weight.t())
+        torch.matmul(a, b)
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return 2 * n**3 / statistics.median(times)
+
+
+def machine_bandwidth(repeats: int, megabytes: int = 512) -> float:
+    """Bytes/s read by a sum over a float32 tensor much larger than any cache, median."""
+    x = torch.ones(megabytes * 2**20 // 4)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def step_cost(engine: Engine, tokens: int, sampled_rows: int, context: int, decode: bool) -> tuple[float, float]:
+    """(FLOPs, bytes) of one step: weight matmuls, attention, and for decode the KV it reads."""
+    model, cfg = engine.runner.model, engine.runner.model.config
+    elem = engine.runner.kv_cache.element_size()
+    layer_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head)
+    head_params = model.lm_head.weight.numel()
+    flops = 2.0 * layer_params * tokens + 2.0 * head_params * sampled_rows
+    # Scores and weighted values: 2 matmuls of [tokens, D] by [D, keys] per query head and layer.
+    keys = context if decode else (tokens + 1) / 2  # a prefill's causal rows see half on average
+    flops += 4.0 * tokens * keys * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    weight_bytes = (layer_params + head_params) * model.lm_head.weight.element_size()
+    kv_bytes = tokens * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem if decode else 0
+    return flops, float(weight_bytes + kv_bytes)
+
+
+def bare_matmuls(engine: Engine, tokens: int, sampled_rows: int, repeats: int) -> float:
+    """Median seconds of every weight matmul of the model for `tokens` tokens, each through the
+    model's own Linear (so oneDNN-packed where the runner packed them)."""
+    model = engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+    dtype = model.lm_head.weight.dtype
+    x = {m.weight.shape[1]: torch.randn(tokens, m.weight.shape[1], dtype=dtype) for m in linears}
+    head = torch.randn(sampled_rows, model.lm_head.weight.shape[1], dtype=dtype)
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            for m in linears:
+                m(x[m.weight.shape[1]])
+            model.lm_head(head)
+            times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
 
 
 def decode_step_time(engine: Engine, batch: int, context: int, repeats: int) -> float:
@@ -72,20 +121,89 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--context", type=int, default=256, help="tokens already in each decoding request")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto (default: auto, as pdserve up)")
+    p.add_argument("--attention-backend", default=None, help="cpu, reference or triton (default: by device)")
+    p.add_argument("--profile", action="store_true",
+                   help="instead: torch.profiler's breakdown of a decode step at batch 32 and a 256-token prefill")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
-    engine = Engine(EngineConfig(max_num_batched_tokens=1024, max_num_seqs=64, enable_prefix_caching=False), loaded=loaded)
-    print(f"model {loaded.name}, {engine.config.dtype}, {args.threads} thread(s), median of {args.repeats}")
-    print(f"{'case':<24}{'engine ms':>12}{'matmuls ms':>12}{'ratio':>8}{'tokens/s':>12}")
+    config = EngineConfig(max_num_batched_tokens=1024, max_num_seqs=64, enable_prefix_caching=False, dtype=args.dtype,
+                          attention_backend=args.attention_backend)
+    engine = Engine(config, loaded=loaded)
+    if args.profile:
+        profile(engine, args.context, args.repeats)
+        return
+    dtype = engine.runner.dtype
+    gemm = machine_gemm_rate(dtype, args.repeats)
+    bandwidth = machine_bandwidth(args.repeats)
+    print(f"model {loaded.name}, {str(dtype).removeprefix('torch.')}, attention {engine.runner.backend.name}, "
+          f"linears {engine.runner.cpu_linear}, "
+          f"{args.threads} thread(s), median of {args.repeats}, CPU {cpu_name()}")
+    print(f"machine: GEMM {gemm / 1e9:.1f} GFLOP/s ({str(dtype).removeprefix('torch.')}), "
+          f"memory read {bandwidth / 1e9:.1f} GB/s")
+    print(f"{'case':<24}{'engine ms':>11}{'matmuls ms':>12}{'ratio':>7}{'tokens/s':>10}"
+          f"{'roofline ms':>13}{'of roofline':>13}{'of GEMM':>9}")
     for batch in (1, 8, 32):
         e = decode_step_time(engine, batch, args.context, args.repeats)
         m = bare_matmuls(engine, batch, batch, args.repeats)
-        print(f"{f'decode batch {batch}':<24}{e * 1e3:>12.1f}{m * 1e3:>12.1f}{e / m:>8.2f}{batch / e:>12.1f}")
+        flops, nbytes = step_cost(engine, batch, batch, args.context, decode=True)
+        roof = max(nbytes / bandwidth, flops / gemm)
+        print(f"{f'decode batch {batch}':<24}{e * 1e3:>11.1f}{m * 1e3:>12.1f}{e / m:>7.2f}{batch / e:>10.1f}"
+              f"{roof * 1e3:>13.1f}{roof / e:>13.2f}{flops / e / gemm:>9.2f}")
     for tokens in (64, 256, 1024):
         e = prefill_time(engine, tokens, args.repeats)
         m = bare_matmuls(engine, tokens, 1, args.repeats)
-        print(f"{f'prefill {tokens} tokens':<24}{e * 1e3:>12.1f}{m * 1e3:>12.1f}{e / m:>8.2f}{tokens / e:>12.1f}")
+        flops, nbytes = step_cost(engine, tokens, 1, 0, decode=False)
+        roof = max(nbytes / bandwidth, flops / gemm)
+        print(f"{f'prefill {tokens} tokens':<24}{e * 1e3:>11.1f}{m * 1e3:>12.1f}{e / m:>7.2f}{tokens / e:>10.1f}"
+              f"{roof * 1e3:>13.1f}{roof / e:>13.2f}{flops / e / gemm:>9.2f}")
+
+
+def profile(engine: Engine, context: int, repeats: int, batch: int = 32, prefill_tokens: int = 256) -> None:
+    """Print the ops that take the time of a decode step and of a prefill (self CPU time)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    def table(title: str, run) -> None:
+        run()  # warm
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(repeats):
+                run()
+        events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        total = sum(e.self_cpu_time_total for e in events)
+        print(f"\n{title}: {total / repeats / 1e3:.1f} ms a step (self CPU time, {repeats} steps)")
+        print(f"{'op':<44}{'ms/step':>9}{'share':>8}{'calls/step':>12}")
+        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]:
+            print(f"{e.key[:43]:<44}{e.self_cpu_time_total / repeats / 1e3:>9.1f}{e.self_cpu_time_total / total:>8.0%}"
+                  f"{e.count / repeats:>12.0f}")
+
+    params = SamplingParams(temperature=0.0, max_tokens=4 * repeats + 8, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"prof-{i}", [1 + (i * 7 + j) % 1000 for j in range(context)], params)
+    while any(r.is_prefilling for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    table(f"decode step, batch {batch}, context {context}", engine.step)
+    engine.abort([f"prof-{i}" for i in range(batch)])
+    count = iter(range(10**6))
+
+    def prefill() -> None:
+        engine.add_request(f"prof-p{next(count)}", [1 + j % 5000 for j in range(prefill_tokens)],
+                           SamplingParams(temperature=0.0, max_tokens=1))
+        engine.step()
+
+    table(f"prefill, {prefill_tokens} tokens", prefill)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "unknown")
+    isa = [f for f in ("avx512_bf16", "amx_bf16", "avx512f", "avx2") if f" {f}" in info]
+    return f"{name} ({', '.join(isa[:1] or ['no AVX2'])})"
 
 
 if __name__ == "__main__":

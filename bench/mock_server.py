@@ -51,6 +51,7 @@ class MockConfig:
     chunk_usage: bool = True  # cumulative usage in every chunk when the client asks for it
     final_usage: bool = False  # llama-server: total usage only in the finishing chunk
     ready_delay_ms: float = 0.0
+    ready_route: bool = True  # False: no /ready (404), as vLLM and llama-server; /health tells
     api_key: str | None = None  # when set, completions need 'Authorization: Bearer <key>'
 
 
@@ -78,7 +79,11 @@ def build_app(cfg: MockConfig) -> Starlette:
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     async def health(_: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        if cfg.ready_route:
+            return JSONResponse({"status": "ok"})
+        # llama-server's way: 503 while the model loads, 200 after.
+        ok = (time.monotonic() - started) * 1e3 >= cfg.ready_delay_ms
+        return JSONResponse({"status": "ok" if ok else "loading model"}, status_code=200 if ok else 503)
 
     async def completions(request: Request) -> Response:
         chat = request.url.path.endswith("/chat/completions")
@@ -149,13 +154,15 @@ def build_app(cfg: MockConfig) -> Starlette:
             if slots is not None:
                 slots.release()
 
-    return Starlette(routes=[
+    routes = [
         Route("/v1/chat/completions", completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models),
-        Route("/ready", ready),
         Route("/health", health),
-    ])
+    ]
+    if cfg.ready_route:
+        routes.append(Route("/ready", ready))
+    return Starlette(routes=routes)
 
 
 _DEFAULT = MockConfig()
@@ -193,7 +200,10 @@ def _wait_ready(proc: subprocess.Popen, base_url: str, err_file, ready_timeout_s
             err_file.seek(0)
             raise RuntimeError(f"mock server exited: {err_file.read().decode(errors='replace')[-2000:]}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(base_url + "/ready", timeout=1.0).status_code == 200:
+            status = httpx.get(base_url + "/ready", timeout=1.0).status_code
+            if status == 404:  # --no-ready-route
+                status = httpx.get(base_url + "/health", timeout=1.0).status_code
+            if status == 200:
                 return
         if time.monotonic() > deadline:
             raise RuntimeError(f"mock server not ready at {base_url} after {ready_timeout_s}s")
@@ -221,7 +231,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--final-usage", action="store_true",
                    help="stream like llama-server: total usage only in the chunk with the finish reason")
     p.add_argument("--ready-delay-ms", type=float, default=_env("ready_delay_ms", 0.0),
-                   help="/ready answers 503 for this long after start")
+                   help="/ready (or, with --no-ready-route, /health) answers 503 for this long after start")
+    p.add_argument("--no-ready-route", action="store_true",
+                   help="serve no /ready, as vLLM and llama-server: /health says when the model is loaded")
     p.add_argument("--api-key", default=_env("api_key", ""), help="require this bearer token")
     args = p.parse_args(argv)
     if args.tokens_per_chunk < 1:
@@ -229,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = MockConfig(model=args.model, ttft_ms=args.ttft_ms, tbt_ms=args.tbt_ms,
                      tokens_per_chunk=args.tokens_per_chunk, max_concurrency=args.max_concurrency,
                      chunk_usage=not args.no_chunk_usage, final_usage=args.final_usage,
-                     ready_delay_ms=args.ready_delay_ms,
+                     ready_delay_ms=args.ready_delay_ms, ready_route=not args.no_ready_route,
                      api_key=args.api_key or None)
     import uvicorn
 

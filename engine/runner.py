@@ -9,6 +9,7 @@ Only the rows of sequences that finish their known tokens this step reach the LM
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -20,7 +21,7 @@ from pdserve.engine.scheduler import ScheduledRequest
 from pdserve.kernels.backends import get_backend
 from pdserve.model.attention_metadata import AttentionMetadata
 from pdserve.model.config import ModelConfig, resolve_dtype, torch_dtype
-from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.llama import CPU_LINEAR_ENV, LlamaForCausalLM, onednn_linear_available
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,13 @@ class ModelRunner:
         self.model.load_weights(state_dict)
         self.model.to(device=self.device, dtype=self.dtype).eval()
         self.model.model.rotary.to(dtype=torch.float32)  # keep rotary tables in float32
+        self.cpu_linear = "none"
+        if self.device.type == "cpu":
+            self.cpu_linear = os.environ.get(CPU_LINEAR_ENV, "onednn")
+            if self.cpu_linear == "onednn" and onednn_linear_available(self.dtype):
+                self.model.pack_cpu_linears()
+            else:
+                self.cpu_linear = "mkl"
         m = model_config
         self.kv_cache = torch.zeros(
             (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim), dtype=self.dtype, device=self.device

@@ -81,6 +81,20 @@ def test_compare_records_a_deployment_that_never_gets_ready_and_goes_on(tmp_path
     assert results["fine"]["completed"] == 6
 
 
+def test_compare_waits_on_health_for_a_server_without_ready_and_records_start_up(tmp_path, monkeypatch):
+    """vLLM and llama-server have no /ready (404); their /health answers 503 until the model loads."""
+    monkeypatch.chdir(ROOT)
+    code = main(["compare", "--deployment", f"peer={MOCK} --no-ready-route --ready-delay-ms 1500 --ttft-ms 10 --tbt-ms 2",
+                 "--deployment", f"ours={MOCK} --ready-delay-ms 300 --ttft-ms 10 --tbt-ms 2",
+                 "--ready-timeout", "20", "--output-dir", str(tmp_path), "--no-plots", *FAST])
+    assert code == 0
+    results = json.loads((tmp_path / "compare.json").read_text())["deployments"]
+    assert results["peer"]["completed"] == results["ours"]["completed"] == 6
+    assert results["peer"]["failed"] == 0
+    assert results["peer"]["startup_s"] >= 1.5 > results["ours"]["startup_s"] >= 0.3
+    assert "start-up s" in (tmp_path / "compare.md").read_text()
+
+
 def test_options_take_defaults_from_pdserve_env_vars(monkeypatch):
     monkeypatch.setenv("PDSERVE_REQUEST_RATE", "7")
     monkeypatch.setenv("PDSERVE_SLO", "ttft=250ms")
