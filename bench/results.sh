@@ -1,39 +1,71 @@
 #!/usr/bin/env bash
-# Reproduces docs/results.md: every batching strategy side by side, on this machine, one run.
-#   bash bench/results.sh [OUT_DIR]        (about 35 minutes on 2 CPU cores)
+# Reproduces docs/results.md: pdserve's batching strategies and the peer servers side by side, on
+# this machine, one run per table.
+#   bash bench/results.sh [OUT_DIR]        (about 45 minutes on 2 CPU cores with the peers)
+# Peers: vLLM's CPU build and llama.cpp's llama-server join every table when
+# `bash ../shared/peers/setup.sh` has installed them (PEERS_DIR, default ~/.cache/pdserve-peers;
+# PEERS_SCRIPTS, default ../shared/peers). bfloat16 rows (pdserve and vLLM) are added only on a
+# CPU that computes bfloat16 natively (AVX512-BF16 or AMX-BF16); the other rows pin float32.
+# STAGES="saturation rate1 interference" runs a subset.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/results}
 PD=.venv/bin/pdserve
+PEERS_DIR=${PEERS_DIR:-$HOME/.cache/pdserve-peers}
+PEERS_SCRIPTS=${PEERS_SCRIPTS:-../shared/peers}
+STAGES=${STAGES:-saturation rate1 interference concurrency32}
 mkdir -p "$OUT"
 # Overloaded strategies queue requests for minutes: measure that, don't let the router time them out.
 export PDSERVE_REQUEST_TIMEOUT=${PDSERVE_REQUEST_TIMEOUT:-900}
 # Exact prompt lengths: count tokens with the served model's own tokenizer.
 .venv/bin/python -c "from tests.helpers.tiny_llama import default_tokenizer as t; t().save('$OUT/tokenizer.json')"
+grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo && BF16=1 || BF16=0
+{ grep -m1 'model name' /proc/cpuinfo | cut -d: -f2; grep -owE 'avx512_bf16|amx_bf16|avx512f|avx2' /proc/cpuinfo | sort -u | tr '\n' ' '; } > "$OUT/cpu.txt"
+
+PEERS=()
+if [ -x "$PEERS_DIR/vllmvenv/bin/vllm" ]; then
+  PEERS+=(--deployment "vllm=bash $PEERS_SCRIPTS/serve.sh vllm {port}")
+  [ "$BF16" = 1 ] && PEERS+=(--deployment "vllm-bf16=bash $PEERS_SCRIPTS/serve.sh vllm-bf16 {port}")
+fi
+[ -x "$PEERS_DIR/bin/llama-server" ] && PEERS+=(--deployment "llama-f32=bash $PEERS_SCRIPTS/serve.sh llama-f32 {port}")
+[ ${#PEERS[@]} = 0 ] && echo "no peers installed (bash $PEERS_SCRIPTS/setup.sh): pdserve rows only" >&2
+
+F32=(--dtype float32)
 DEPLOY=(
-  --deployment "static=pdserve up --colocated --policy static --port {port}"
-  --deployment "prefill-first=pdserve up --colocated --policy prefill-first --port {port}"
-  --deployment "mixed=pdserve up --colocated --policy mixed --port {port}"
-  --deployment "chunked=pdserve up --colocated --policy chunked --max-num-batched-tokens 128 --port {port}"
-  --deployment "disaggregated=pdserve up --port {port}"
-  # The same two best strategies in bfloat16 (this CPU has AMX): not the float32 comparison.
-  --deployment "mixed-bf16=pdserve up --colocated --policy mixed --dtype bfloat16 --port {port}"
-  --deployment "disaggregated-bf16=pdserve up --dtype bfloat16 --port {port}"
+  "${PEERS[@]}"
+  --deployment "static=pdserve up --colocated --policy static ${F32[*]} --port {port}"
+  --deployment "prefill-first=pdserve up --colocated --policy prefill-first ${F32[*]} --port {port}"
+  --deployment "mixed=pdserve up --colocated --policy mixed ${F32[*]} --port {port}"
+  --deployment "chunked=pdserve up --colocated --policy chunked --max-num-batched-tokens 512 ${F32[*]} --port {port}"
+  --deployment "disaggregated=pdserve up ${F32[*]} --port {port}"
 )
+if [ "$BF16" = 1 ]; then
+  DEPLOY+=(
+    --deployment "mixed-bf16=pdserve up --colocated --policy mixed --dtype bfloat16 --port {port}"
+    --deployment "disaggregated-bf16=pdserve up --dtype bfloat16 --port {port}"
+  )
+fi
 # The client runs on core 0 with the router and the prefill worker: decode workers own core 1.
 COMMON=(--endpoint completions --tokenizer "$OUT/tokenizer.json" --seed 0 --warmup 2 --no-progress --client-cpus 0)
 
-# 1. The peer's workload: 256-token prompts, 64 output tokens, 1 request/s (vLLM CPU: TBT p99 1.4 s).
-$PD bench compare "${DEPLOY[@]}" "${COMMON[@]}" --workload random --input-len 256 --output-len 64 \
-  --range-ratio 0 --request-rate 1 --num-requests 40 --slo ttft=2s,tbt_p99=200ms --output-dir "$OUT/rate1"
-# 2. Saturation: the same requests offered faster than any deployment serves them -> throughput.
-$PD bench compare "${DEPLOY[@]}" "${COMMON[@]}" --workload random --input-len 256 --output-len 64 \
-  --range-ratio 0 --request-rate 4 --num-requests 48 --slo ttft=5s,tbt_p99=200ms --output-dir "$OUT/saturation"
-# 3. Interference: short chats streaming while long prompts arrive (where prefill stalls decode).
-$PD bench compare "${DEPLOY[@]}" "${COMMON[@]}" --workload interference --input-len 96 --output-len 64 \
-  --request-rate 0.8 --num-requests 48 --long-input-len 768 --long-output-len 8 --long-interval 6 \
-  --slo ttft=3s,tbt_p99=200ms --output-dir "$OUT/interference"
-# 4. 32 concurrent streaming chats (closed loop), disaggregated next to colocated chunked.
-$PD bench compare "${COMMON[@]}" --endpoint chat --workload conversation --concurrency 32 --num-requests 64 \
-  --deployment "chunked=pdserve up --colocated --policy chunked --max-num-batched-tokens 128 --port {port}" \
-  --deployment "disaggregated=pdserve up --port {port}" --slo ttft=3s,tbt_p99=200ms --output-dir "$OUT/concurrency32"
+for stage in $STAGES; do
+  case $stage in
+  saturation)  # W1: 64 prompts of 256 tokens, 64 output tokens, all sent at once -> throughput
+    $PD bench compare "${DEPLOY[@]}" "${COMMON[@]}" --workload random --input-len 256 --output-len 64 \
+      --range-ratio 0 --request-rate inf --num-requests 64 --slo ttft=5s,tbt_p99=200ms --output-dir "$OUT/saturation" ;;
+  rate1)  # the same requests at 1 request/s: the latency point
+    $PD bench compare "${DEPLOY[@]}" "${COMMON[@]}" --workload random --input-len 256 --output-len 64 \
+      --range-ratio 0 --request-rate 1 --num-requests 40 --slo ttft=2s,tbt_p99=200ms --output-dir "$OUT/rate1" ;;
+  interference)  # short chats streaming while long prompts arrive, then the SLO-capacity sweep
+    $PD bench compare "${DEPLOY[@]}" "${COMMON[@]}" --workload interference --input-len 96 --output-len 64 \
+      --request-rate 0.8 --num-requests 48 --long-input-len 768 --long-output-len 8 --long-interval 6 \
+      --slo ttft=3s,tbt_p99=200ms --rates "${SWEEP_RATES:-0.4,0.8,1.2,1.6}" --output-dir "$OUT/interference" ;;
+  concurrency32)  # 32 concurrent streaming chats (closed loop)
+    $PD bench compare "${COMMON[@]}" --endpoint chat --workload conversation --concurrency 32 --num-requests 64 \
+      "${PEERS[@]}" \
+      --deployment "chunked=pdserve up --colocated --policy chunked --max-num-batched-tokens 512 ${F32[*]} --port {port}" \
+      --deployment "disaggregated=pdserve up ${F32[*]} --port {port}" --slo ttft=3s,tbt_p99=200ms \
+      --output-dir "$OUT/concurrency32" ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done

@@ -19,11 +19,14 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.engine.scheduler import ScheduledRequest
 from pdserve.kernels.backends import get_backend
+from pdserve.kernels.cpu_backend import CpuBackend
 from pdserve.model.attention_metadata import AttentionMetadata
 from pdserve.model.config import ModelConfig, resolve_dtype, torch_dtype
 from pdserve.model.llama import CPU_LINEAR_ENV, LlamaForCausalLM, onednn_linear_available
 
 log = logging.getLogger(__name__)
+
+CPU_FUSED_ENV = "PDSERVE_CPU_FUSED"  # 0: eager PyTorch RMSNorm, SiLU-mul and rotary on the CPU
 
 
 class ModelRunner:
@@ -45,6 +48,13 @@ class ModelRunner:
                 self.model.pack_cpu_linears()
             else:
                 self.cpu_linear = "mkl"
+        # The compiled elementwise ops ship with the compiled attention (kernels/csrc).
+        self.fused_elementwise = (
+            isinstance(self.backend, CpuBackend) and self.dtype in (torch.float32, torch.bfloat16)
+            and os.environ.get(CPU_FUSED_ENV, "1") != "0"
+        )
+        if self.fused_elementwise:
+            self.model.use_fused_ops(self.backend.ops)
         m = model_config
         self.kv_cache = torch.zeros(
             (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim), dtype=self.dtype, device=self.device

@@ -25,7 +25,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))
 REQUIRE_ENV = "PDSERVE_REQUIRE_CPU_KERNELS"
 CACHE_ENV = "PDSERVE_KERNEL_CACHE"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
@@ -48,7 +49,7 @@ def build_key() -> str:
     h = hashlib.sha256()
     for part in (torch.__version__, _cpu_signature(), " ".join(FLAGS)):
         h.update(part.encode())
-    for src in SOURCES:
+    for src in sorted(CSRC.glob("*.[ch]*")):  # the .cpp files and the headers they share
         h.update(src.read_bytes())
     return h.hexdigest()[:16]
 

@@ -62,8 +62,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fused = None  # torch.ops.pdserve_cpu once use_fused_ops() is called
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 whatever the activation dtype, as the reference implementation does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -96,8 +99,12 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, rope_inv_freq(config))  # [P, D/2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.fused = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if self.fused is not None:  # in place, in one pass over q and k
+            self.fused.rotary_(q, k, positions, self.get_buffer("cos"), self.get_buffer("sin"))
+            return q, k
         cos = self.get_buffer("cos")[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
         sin = self.get_buffer("sin")[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -153,8 +160,11 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.fused = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -218,6 +228,13 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, positions, self.model.rotary, meta, kv_cache)
         return self.model.norm(x)
+
+    def use_fused_ops(self, ops) -> None:
+        """Run RMSNorm, SiLU-mul and rotary through these compiled ops (kernels/csrc/
+        cpu_elementwise.cpp: float32 and bfloat16 CPU tensors); the PyTorch code stays the oracle."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, MLP, RotaryEmbedding)):
+                m.fused = ops
 
     def pack_cpu_linears(self) -> int:
         """Pack every projection and the LM head for oneDNN (CPU only); returns how many."""

@@ -133,3 +133,95 @@ def test_the_build_is_cached_per_cpu_and_source(monkeypatch, tmp_path):
     assert cpu_ops.build_key() != key
     monkeypatch.setenv(cpu_ops.CACHE_ENV, str(tmp_path))
     assert cpu_ops.cache_dir().parent == tmp_path
+
+
+# --- the fused elementwise ops (kernels/csrc/cpu_elementwise.cpp) against model/llama.py's PyTorch code ---
+
+
+def eager_copy(module):
+    """The same module with its compiled path off: the oracle."""
+    import copy
+
+    ops, module.fused = module.fused, None
+    twin = copy.deepcopy(module)
+    module.fused = ops
+    return twin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_fused_rms_norm_equals_the_eager_one(backend, dtype, rows):
+    from pdserve.model.llama import RMSNorm
+
+    norm = RMSNorm(200, 1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    norm = norm.to(dtype)
+    norm.fused = backend.ops
+    x = (torch.randn(rows, 200) * 3).to(dtype)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(norm(x), eager_copy(norm)(x), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_silu_mul_equals_the_eager_mlp_activation(backend, dtype):
+    gate_up = torch.cat([torch.randn(9, 37) * 4, torch.randn(9, 37)], dim=1)
+    gate_up[0, :6] = torch.tensor([-100.0, -30.0, 0.0, 30.0, 100.0, 1e-3])  # the tails of the sigmoid
+    gate_up = gate_up.to(dtype)
+    out = backend.ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, **tol)
+    assert out.isfinite().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rotary_equals_the_eager_one_in_place_on_strided_views(backend, dtype):
+    from pdserve.model.config import ModelConfig
+    from pdserve.model.llama import RotaryEmbedding
+
+    cfg = ModelConfig(architecture="llama", vocab_size=10, hidden_size=48, intermediate_size=8, num_layers=1,
+                      num_heads=3, num_kv_heads=1, head_dim=16)
+    rotary = RotaryEmbedding(cfg, max_positions=64)
+    rotary.fused = backend.ops
+    qkv = torch.randn(7, (3 + 2) * 16).to(dtype)  # as the fused projection lays q, k, v out
+    positions = torch.tensor([0, 1, 5, 9, 33, 62, 63])
+    q, k, v = qkv.split((48, 16, 16), dim=-1)
+    q, k = q.view(7, 3, 16), k.view(7, 1, 16)
+    want_q, want_k = eager_copy(rotary)(positions, q.clone(), k.clone())
+    v_before = v.clone()
+    got_q, got_k = rotary(positions, q, k)
+    assert got_q.data_ptr() == q.data_ptr(), "rotates in place"
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(got_k, want_k, **tol)
+    assert torch.equal(v, v_before)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        rotary(torch.tensor([0, 1, 2, 3, 4, 5, 64]), q, k)
+
+
+def test_fused_ops_refuse_other_dtypes(backend):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        backend.ops.silu_mul(torch.randn(2, 8, dtype=torch.float64))
+
+
+def test_the_engine_gives_the_same_greedy_tokens_with_and_without_the_fused_ops(tiny, monkeypatch):
+    from pdserve.config.engine import EngineConfig
+    from pdserve.engine.engine import Engine
+    from pdserve.engine.runner import CPU_FUSED_ENV
+    from pdserve.protocol.sampling import SamplingParams
+
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv(CPU_FUSED_ENV, flag)
+        engine = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32"), loaded=tiny)
+        assert engine.runner.fused_elementwise is (flag == "1")
+        for i in range(3):
+            engine.add_request(f"r{i}", [5 + i, 60, 7, 300 + i], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+        got: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+        while engine.scheduler.running or engine.scheduler.waiting:
+            for o in engine.step():
+                got[o.request_id].extend(o.new_token_ids)
+        outs[flag] = got
+    assert all(len(v) == 10 for v in outs["1"].values())
+    assert outs["1"] == outs["0"]

@@ -1,0 +1,163 @@
+// The elementwise work around the projections, fused: RMSNorm, SiLU(gate) * up, and rotary
+// embedding applied in place. Each is one pass over its rows (parallel over rows) instead of the
+// 4-10 eager ops and temporaries of model/llama.py's PyTorch code, which stays their oracle.
+// float32 and bfloat16; everything is computed in float32 and rounded once on the way out.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "vec.h"
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(c10::BFloat16* p, int64_t i, float v) { p[i] = c10::BFloat16(v); }
+
+// Rows of at most this many elements go to one task together (cheap rows are batched).
+constexpr int64_t kGrain = 1 << 14;
+
+inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, width)); }
+
+template <typename T>
+void rms_norm_kernel(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out) {
+  const int64_t rows = x.size(0), h = x.size(1), xs = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, row_grain(h), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = xp + r * xs;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < h; ++i) ss += load(row, i) * load(row, i);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
+      T* o = op + r * h;
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) store(o, i, load(wp, i) * (load(row, i) * inv));
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_kernel(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, gs = gate_up.stride(0);
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, row_grain(inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gp + r * gs;
+      const T* u = g + inter;
+      T* o = op + r * inter;
+      int64_t i = 0;
+      for (; i + 8 <= inter; i += 8) {
+        const v8 a = load8(g + i);
+        const v8 e = exp_nonpositive(a < 0.f ? a : -a);  // exp(-|a|): never overflows
+        const v8 sig = a < 0.f ? e / (1.f + e) : 1.f / (1.f + e);
+        const v8 res = a * sig * load8(u + i);
+        for (int j = 0; j < 8; ++j) store(o, i + j, res[j]);
+      }
+      for (; i < inter; ++i) {
+        const float a = load(g, i);
+        store(o, i, a / (1.f + std::exp(-a)) * load(u, i));
+      }
+    }
+  });
+}
+
+// x [T, H, D] rows strided, heads and dims contiguous: rotate-half with cos/sin [P, D/2] float32.
+template <typename T>
+void rotary_kernel(at::Tensor& x, const int64_t* pos, const float* cos, const float* sin, int64_t table_stride) {
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  const int64_t xs = x.stride(0), hs = x.stride(1);
+  T* xp = x.data_ptr<T>();
+  at::parallel_for(0, tokens, row_grain(heads * d), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + pos[t] * table_stride;
+      const float* s = sin + pos[t] * table_stride;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = xp + t * xs + h * hs;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = load(v, i), x2 = load(v, i + half);
+          store(v, i, x1 * c[i] - x2 * s[i]);
+          store(v, i + half, x2 * c[i] + x1 * s[i]);
+        }
+      }
+    }
+  });
+}
+
+void check_float(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, not ", t.scalar_type());
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, H] with contiguous rows");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
+                  weight.is_contiguous(),
+              "weight must be a contiguous [H] of x's dtype");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == at::kFloat) rms_norm_kernel<float>(x, weight, eps, out);
+  else rms_norm_kernel<c10::BFloat16>(x, weight, eps, out);
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_float(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [T, 2I] with contiguous rows");
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) silu_mul_kernel<float>(gate_up, out);
+  else silu_mul_kernel<c10::BFloat16>(gate_up, out);
+  return out;
+}
+
+// In place on q [T, Hq, D] and k [T, Hkv, D]; positions [T] int64 index the tables' rows.
+void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
+  check_float(q, "q");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "q and k must share a dtype");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(2) % 2 == 0,
+              "q [T, Hq, D] and k [T, Hkv, D] with an even D");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "the head dimension must be contiguous");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 2 &&
+                  cos.sizes() == sin.sizes() && cos.size(1) == q.size(2) / 2 && cos.stride(1) == 1 &&
+                  cos.strides() == sin.strides(),
+              "cos/sin must be float32 [P, D/2] tables with the same layout");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == q.size(0),
+              "positions must be int64 [T]");
+  at::Tensor pos = positions.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < pos.size(0); ++t)
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "position ", pp[t], " is outside the rotary table (", cos.size(0), ")");
+  if (q.scalar_type() == at::kFloat) {
+    rotary_kernel<float>(q, pp, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.stride(0));
+    rotary_kernel<float>(k, pp, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.stride(0));
+  } else {
+    rotary_kernel<c10::BFloat16>(q, pp, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.stride(0));
+    rotary_kernel<c10::BFloat16>(k, pp, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.stride(0));
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rotary_", &rotary_);
+}
