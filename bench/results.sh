@@ -6,7 +6,8 @@
 # `bash ../shared/peers/setup.sh` has installed them (PEERS_DIR, default ~/.cache/pdserve-peers;
 # PEERS_SCRIPTS, default ../shared/peers). bfloat16 rows (pdserve and vLLM) are added only on a
 # CPU that computes bfloat16 natively (AVX512-BF16 or AMX-BF16); the other rows pin float32.
-# STAGES="saturation rate1 interference" runs a subset.
+# STAGES="saturation rate1 interference" runs a subset; ONLY="vllm mixed chunked" keeps only
+# those deployments.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/results}
@@ -44,6 +45,14 @@ if [ "$BF16" = 1 ]; then
     --deployment "mixed-bf16=pdserve up --colocated --policy mixed --dtype bfloat16 --port {port}"
     --deployment "disaggregated-bf16=pdserve up --dtype bfloat16 --port {port}"
   )
+fi
+if [ -n "${ONLY:-}" ]; then  # keep the --deployment pairs whose name is in ONLY
+  kept=()
+  for ((i = 0; i < ${#DEPLOY[@]}; i += 2)); do
+    name=${DEPLOY[i+1]%%=*}
+    [[ " $ONLY " == *" $name "* ]] && kept+=("${DEPLOY[i]}" "${DEPLOY[i+1]}")
+  done
+  DEPLOY=("${kept[@]}")
 fi
 # The client runs on core 0 with the router and the prefill worker: decode workers own core 1.
 COMMON=(--endpoint completions --tokenizer "$OUT/tokenizer.json" --seed 0 --warmup 2 --no-progress --client-cpus 0)
