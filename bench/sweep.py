@@ -156,8 +156,12 @@ def run_sweep(plan: Plan, rates: Sequence[float], out_dir: Path, target: float, 
     if plan.slo.empty:
         raise ValueError("a sweep looks for the highest rate meeting the SLO: give one with --slo")
     points = []
-    for rate in rates:
-        s = run_point(plan, out_dir / f"rate_{rate:g}", rate=rate, label=label)
+    for i, rate in enumerate(rates):
+        # Fresh prompts at every point (seed + 1 + i; the plan's own run, if any, had the seed):
+        # repeated prompts would hit the server's prefix cache and skip their prefill, and the
+        # later points would measure cached prompts. A workload file's prompts are fixed.
+        point_plan = dataclasses.replace(plan, workload=dataclasses.replace(plan.workload, seed=plan.workload.seed + 1 + i))
+        s = run_point(point_plan, out_dir / f"rate_{rate:g}", rate=rate, label=label)
         points.append({key: s[key] for key in (
             "request_rate", "slo_attainment", "goodput", "request_throughput", "output_throughput",
             "completed", "failed", "p50_ttft_ms", "p99_ttft_ms", "p50_tbt_ms", "p99_tbt_ms")})

@@ -47,6 +47,29 @@ def test_sweep_reports_the_highest_rate_meeting_the_slo(tmp_path):
     assert (tmp_path / "rate_5" / "summary.json").exists()
 
 
+def test_each_sweep_point_sends_fresh_prompts_so_no_prefix_cache_carries_over(tmp_path, monkeypatch):
+    """Repeated prompts would hit the server's prefix cache: later points would skip prefill."""
+    from pdserve.bench import sweep
+
+    plan = plan_from_args(build_parser().parse_args(
+        ["sweep", "--rates", "1,2,3", "--slo", "ttft=1s", "--workload", "random", "--num-requests", "5",
+         "--input-len", "16", "--output-len", "2", "--seed", "7"]))
+    prompts: dict[float, list] = {}
+
+    def fake_point(point_plan, out_dir, rate=None, label=""):
+        prompts[rate] = [spec.prompt for spec in sweep.specs_for(point_plan, rate)]
+        return {"request_rate": rate, "slo_attainment": 1.0, "goodput": 1.0, "request_throughput": rate,
+                "output_throughput": 1.0, "completed": 5, "failed": 0, "p50_ttft_ms": 1.0, "p99_ttft_ms": 1.0,
+                "p50_tbt_ms": 1.0, "p99_tbt_ms": 1.0}
+
+    monkeypatch.setattr(sweep, "run_point", fake_point)
+    sweep.run_sweep(plan, [1.0, 2.0, 3.0], tmp_path, 0.9)
+    own = {str(s.prompt) for s in sweep.specs_for(plan)}
+    seen = [{str(p) for p in prompts[r]} for r in (1.0, 2.0, 3.0)]
+    assert all(len(s) == 5 for s in seen)
+    assert not (own & seen[0]) and not (seen[0] & seen[1]) and not (seen[1] & seen[2]) and not (own & seen[2])
+
+
 def test_compare_runs_each_deployment_and_writes_table_json_and_plots(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the deployments run `python -m pdserve.bench.mock_server`
     code = main(["compare", "--deployment", f"fast={MOCK} --ttft-ms 20 --tbt-ms 5",
