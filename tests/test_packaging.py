@@ -57,14 +57,20 @@ def test_the_wheel_holds_every_package_under_pdserve_and_nothing_else(wheel):
         assert sources <= {n[len(inside):] for n in names if n.startswith(inside)}, package
 
 
+def install_wheel(wheel: Path, tmp_path: Path) -> Path:
+    """pip-install the wheel (no deps) into its own folder; return that folder."""
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, timeout=300, capture_output=True)
+    return target
+
+
 def test_the_wheel_holds_the_chat_page_and_the_installed_router_serves_it(wheel, tmp_path):
     static = sorted(p.name for p in (ROOT / "router" / "static").iterdir())
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"chat.html", "chat.js", "chat.css"} <= set(static)
     assert {f"pdserve/router/static/{n}" for n in static} <= names
-    target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
-                   check=True, timeout=300, capture_output=True)
+    target = install_wheel(wheel, tmp_path)
     code = (f"import sys; sys.path[:0] = [{str(target)!r}, {sysconfig.get_paths()['purelib']!r}]; "
             "from pdserve.router.chat_page import ChatPage; print(*sorted(ChatPage().assets))")
     assert run_python(code, tmp_path, "-S", "-I").split() == static
@@ -74,9 +80,7 @@ def test_the_wheel_holds_the_cpu_kernel_sources_where_the_builder_looks(wheel, t
     sources = sorted(p.name for p in (ROOT / "kernels" / "csrc").glob("*.cpp"))
     assert sources, "kernels/csrc holds the CPU kernels"
     assert {f"pdserve/kernels/csrc/{n}" for n in sources} <= set(zipfile.ZipFile(wheel).namelist())
-    target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
-                   check=True, timeout=300, capture_output=True)
+    target = install_wheel(wheel, tmp_path)
     code = (f"import sys; sys.path[:0] = [{str(target)!r}, {sysconfig.get_paths()['purelib']!r}]; "
             "from pdserve.kernels import cpu_ops; print(*(s.name for s in cpu_ops.SOURCES))")
     assert run_python(code, tmp_path, "-S", "-I").split() == sources
@@ -84,9 +88,7 @@ def test_the_wheel_holds_the_cpu_kernel_sources_where_the_builder_looks(wheel, t
 
 def test_the_installed_wheel_imports_from_its_own_files(wheel, tmp_path):
     """Installed (no checkout on the path, no editable finder), `pdserve.*` resolves inside site."""
-    target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
-                   check=True, timeout=300, capture_output=True)
+    target = install_wheel(wheel, tmp_path)
     deps = sysconfig.get_paths()["purelib"]
     code = (f"import sys; sys.path[:0] = [{str(target)!r}, {deps!r}]; "
             "import pdserve.kernels.reference as k, pdserve.router.app as a, pdserve.protocol.codec as c; "
