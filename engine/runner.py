@@ -26,7 +26,8 @@ from pdserve.model.llama import CPU_LINEAR_ENV, LlamaForCausalLM, onednn_linear_
 
 log = logging.getLogger(__name__)
 
-CPU_FUSED_ENV = "PDSERVE_CPU_FUSED"  # 0: eager PyTorch RMSNorm, SiLU-mul and rotary on the CPU
+CPU_LINEAR_CHOICES = ("auto", "pdserve", "onednn", "mkl")
+CPU_FUSED_ENV = "PDSERVE_CPU_FUSED"  # 0: eager PyTorch RMSNorm, SiLU-mul, rotary and decoder layers
 
 
 class ModelRunner:
@@ -41,25 +42,44 @@ class ModelRunner:
         self.model.load_weights(state_dict)
         self.model.to(device=self.device, dtype=self.dtype).eval()
         self.model.model.rotary.to(dtype=torch.float32)  # keep rotary tables in float32
-        self.cpu_linear = "none"
-        if self.device.type == "cpu":
-            self.cpu_linear = os.environ.get(CPU_LINEAR_ENV, "onednn")
-            if self.cpu_linear == "onednn" and onednn_linear_available(self.dtype):
-                self.model.pack_cpu_linears()
-            else:
-                self.cpu_linear = "mkl"
-        # The compiled elementwise ops ship with the compiled attention (kernels/csrc).
-        self.fused_elementwise = (
-            isinstance(self.backend, CpuBackend) and self.dtype in (torch.float32, torch.bfloat16)
-            and os.environ.get(CPU_FUSED_ENV, "1") != "0"
+        # torch.ops.pdserve_cpu where the compiled CPU backend runs and this dtype is one it computes.
+        self.compiled_ops = (
+            self.backend.ops if isinstance(self.backend, CpuBackend) and self.dtype in (torch.float32, torch.bfloat16) else None
         )
+        self.cpu_linear = self._pack_cpu_linears() if self.device.type == "cpu" else "none"
+        # The compiled elementwise ops ship with the compiled attention (kernels/csrc).
+        self.fused_elementwise = self.compiled_ops is not None and os.environ.get(CPU_FUSED_ENV, "1") != "0"
         if self.fused_elementwise:
-            self.model.use_fused_ops(self.backend.ops)
+            self.model.use_fused_ops(self.compiled_ops)
+        # Decode-only steps run each layer as one compiled call where every piece of it is compiled.
+        self.compiled_decode = self.fused_elementwise and self.cpu_linear == "pdserve"
+        if self.compiled_decode:
+            self.model.use_compiled_decode(self.compiled_ops)
         m = model_config
         self.kv_cache = torch.zeros(
             (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim), dtype=self.dtype, device=self.device
         )
         self.sampler = Sampler()
+
+    def _pack_cpu_linears(self) -> str:
+        """Pick and pack the CPU matmul (PDSERVE_CPU_LINEAR): the compiled panel kernel, oneDNN's
+        packed matmul, or MKL on the plain weight. `auto` takes oneDNN for bfloat16 on CPUs with
+        native bfloat16 (its kernels use those instructions), the compiled kernel elsewhere when
+        it built, and falls back in that order."""
+        choice = os.environ.get(CPU_LINEAR_ENV, "auto")
+        if choice not in CPU_LINEAR_CHOICES:
+            raise ValueError(f"{CPU_LINEAR_ENV}={choice!r}: expected one of {', '.join(CPU_LINEAR_CHOICES)}")
+        onednn = onednn_linear_available(self.dtype)
+        if choice == "auto":
+            native_bf16 = self.dtype == torch.bfloat16 and onednn
+            choice = "onednn" if native_bf16 or self.compiled_ops is None else "pdserve"
+        if choice == "pdserve" and self.compiled_ops is not None:
+            self.model.pack_cpu_linears(self.compiled_ops)
+            return "pdserve"
+        if choice in ("pdserve", "onednn") and onednn:
+            self.model.pack_cpu_linears()
+            return "onednn"
+        return "mkl"
 
     def read_blocks(self, block_ids: BlockIds) -> torch.Tensor:
         """A contiguous copy of these blocks, [L, 2, n, S, Hkv, D] (what a KV save ships)."""

@@ -1,9 +1,11 @@
 """The compiled CPU backend: paged decode attention in C++ (kernels/csrc/cpu_attention.cpp).
 
 Decode reads each sequence's keys and values in place from the paged cache, one work item per
-(sequence, KV head), parallel over torch's intra-op threads. Prefill and store_kv stay the
-reference's (SDPA and index_copy_ already run at the machine's rate). Dtypes other than float32
-and bfloat16, or a cache whose dtype differs from q's, fall back to the reference.
+(sequence, KV head), parallel over torch's intra-op threads. store_kv is one compiled call per
+layer (a memcpy per token, slots checked once) instead of the reference's masking and two
+index_copy_ calls. Prefill stays the reference's (SDPA already runs at the machine's rate).
+Dtypes other than float32 and bfloat16, or a cache whose dtype differs from q's, fall back to
+the reference.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ class CpuBackend(ReferenceBackend):
 
     def __init__(self, ops: object) -> None:
         self.ops = ops
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        if key.dtype not in COMPILED_DTYPES or k_cache.dtype != key.dtype or value.dtype != key.dtype or key.device.type != "cpu":
+            return super().store_kv(key, value, k_cache, v_cache, slot_mapping)
+        self.ops.store_kv_(key, value, k_cache, v_cache, slot_mapping)  # type: ignore[attr-defined]
 
     def decode_attention(self, q, k_cache, v_cache, seq_lens, block_tables, scale) -> torch.Tensor:
         check_shapes(q, k_cache, v_cache)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels import cpu_linear
 from pdserve.kernels.interface import AttentionBackend
 from pdserve.model.attention_metadata import AttentionMetadata
 from pdserve.model.config import ModelConfig
@@ -22,30 +23,44 @@ class Linear(nn.Module):
     """y = x W^T, with W [out, in] stored transposed ([in, out] contiguous).
 
     On the CPU, MKL runs the small-batch matmuls of decode steps about twice as fast against
-    this layout as F.linear against [out, in]; big prefill batches and CUDA do not care.
-    `pack_onednn()` goes further: a copy of W in oneDNN's blocked layout, which its matmul then
-    reads directly. With 2 threads on an AVX2 EPYC that ran every decode-sized matmul (8 to 64
-    rows) 1.2-2.7x faster than MKL on the plain layout, and prefill-sized ones (256-512) as fast
-    or faster.
+    this layout as F.linear against [out, in]; big prefill batches and CUDA do not care. Two
+    packed CPU copies go further (the plain weight stays, for the other paths):
+    - `pack_panels(ops)`: panels of 16 output columns for the compiled kernel
+      (kernels/csrc/cpu_linear.cpp), which streams each weight once per block of rows. With 2
+      threads on an AVX2 EPYC it ran every SmolLM2 shape from 1 to 1024 rows as fast as oneDNN
+      or faster, 1.5-2x at decode sizes.
+    - `pack_onednn()`: oneDNN's blocked layout, read directly by its matmul (1.2-2.7x MKL at
+      decode sizes on the same machine); the choice for bfloat16 where the CPU has native
+      bfloat16 (AVX512-BF16, AMX), whose instructions our kernel does not use.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         assert not bias, "Llama projections have no bias"
         self.weight = nn.Parameter(torch.empty(in_features, out_features).t())
+        self.out_features = out_features
         self.packed: torch.Tensor | None = None
+        self.panels: torch.Tensor | None = None
+        self.ops: object | None = None
 
     def pack_onednn(self, batch_hint: int = 64) -> None:
         """Keep a oneDNN-packed copy of the weight for the CPU matmul (the weight itself stays)."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(), batch_hint)
 
+    def pack_panels(self, ops: object) -> None:
+        """Keep a panel-packed copy for torch.ops.pdserve_cpu.linear (the weight itself stays)."""
+        self.panels = cpu_linear.pack_weight(self.weight.detach())
+        self.ops = ops
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return cpu_linear.linear(self.ops, x, self.panels, self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return x @ self.weight.t()
 
 
-CPU_LINEAR_ENV = "PDSERVE_CPU_LINEAR"  # onednn (default where available) or mkl
+CPU_LINEAR_ENV = "PDSERVE_CPU_LINEAR"  # auto (default), pdserve, onednn or mkl
 
 
 def onednn_linear_available(dtype: torch.dtype) -> bool:
@@ -160,6 +175,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.intermediate_size = config.intermediate_size
         self.fused = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -176,10 +192,36 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.compiled = None  # torch.ops.pdserve_cpu once use_compiled_decode() is called
+        self._compiled_args: tuple = ()
 
     def forward(self, x, positions, rotary, meta, kv_cache):
+        if self.compiled is not None and meta.num_decode_tokens == x.shape[0]:
+            return self._compiled_decode(x, positions, rotary, meta, kv_cache)
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _compiled_decode(self, x, positions, rotary, meta, kv_cache):
+        """This layer for a decode-only step in one compiled call (kernels/csrc/cpu_decoder_layer.cpp);
+        x, a fresh residual stream, is updated in place."""
+        weights, dims = self._compiled_args
+        layer = self.self_attn.layer
+        self.compiled.decoder_layer_(
+            x, *weights, positions, rotary.cos, rotary.sin, kv_cache[layer, 0], kv_cache[layer, 1],
+            meta.slot_mapping, meta.decode_seq_lens, meta.decode_block_tables, *dims,
+        )
+        return x
+
+    def use_compiled_decode(self, ops) -> None:
+        """Decode-only steps through `ops.decoder_layer_`, reading the panel-packed weights."""
+        attn, mlp = self.self_attn, self.mlp
+        weights = (self.input_layernorm.weight, self.post_attention_layernorm.weight, attn.qkv_proj.panels,
+                   attn.o_proj.panels, mlp.gate_up_proj.panels, mlp.down_proj.panels)
+        if any(w is None for w in weights):
+            raise ValueError("use_compiled_decode needs every projection packed into panels first (pack_cpu_linears(ops))")
+        dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size, self.input_layernorm.eps, attn.scale)
+        self._compiled_args = (weights, dims)
+        self.compiled = ops
 
 
 class LlamaModel(nn.Module):
@@ -236,11 +278,23 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, (RMSNorm, MLP, RotaryEmbedding)):
                 m.fused = ops
 
-    def pack_cpu_linears(self) -> int:
-        """Pack every projection and the LM head for oneDNN (CPU only); returns how many."""
+    def use_compiled_decode(self, ops) -> None:
+        """Run each layer of a decode-only step as one compiled call (after use_fused_ops and
+        pack_cpu_linears(ops): it reads the panel-packed weights); the PyTorch layer stays the
+        path of every other step and the oracle."""
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.use_compiled_decode(ops)
+
+    def pack_cpu_linears(self, ops: object | None = None) -> int:
+        """Pack every projection and the LM head (CPU only): into panels for the compiled kernel
+        when `ops` (torch.ops.pdserve_cpu) is given, else for oneDNN. Returns how many."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for m in linears:
-            m.pack_onednn()
+            if ops is not None:
+                m.pack_panels(ops)
+            else:
+                m.pack_onednn()
         return len(linears)
 
     @torch.inference_mode()

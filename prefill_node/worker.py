@@ -22,7 +22,7 @@ from pdserve.kvtransfer.connector import HandoffTarget, PrefillConnector, first_
 from pdserve.kvtransfer.transport import available_kinds
 from pdserve.model.weights import LoadedModel, load_model
 from pdserve.protocol.auth import FrameAuth
-from pdserve.protocol.messages import ModelFingerprint, PrefillRequest
+from pdserve.protocol.messages import ModelFingerprint, PrefillRequest, RetryCause
 from pdserve.worker.loop import Worker, default_worker_id, error_event, model_fingerprint
 from pdserve.worker.tracing import QUEUE
 
@@ -89,7 +89,7 @@ class PrefillWorker(Worker):
             self.spans.kv_acked(result.request_id, result.ok, result.reason)
             if not result.ok:
                 log.warning("request %s: KV hand-off failed: %s", result.request_id, result.reason)
-                cause = "kv_lease_expired" if "lease" in result.reason else "kv_failed"
+                cause: RetryCause = "kv_lease_expired" if "lease" in result.reason else "kv_failed"
                 self.emit(error_event(result.request_id, f"KV transfer failed: {result.reason}", retry=cause))
 
     def abort(self, request_ids) -> None:

@@ -1,6 +1,9 @@
-"""oneDNN-packed projections (model/llama.py Linear.pack_onednn): the same numbers as the plain
-matmul, packed by default on the CPU, and off with PDSERVE_CPU_LINEAR=mkl; greedy output of a
-whole engine is the same either way."""
+"""The CPU projections (model/llama.py Linear): the compiled panel kernel (kernels/csrc/
+cpu_linear.cpp, the default for float32) and oneDNN's packed matmul compute the plain matmul,
+at every row count the kernel tiles differently (0, 1, a partial tile, whole tiles, several row
+blocks), over output widths that are not a multiple of the panel, on strided rows; bad inputs
+raise; PDSERVE_CPU_LINEAR picks the path, and a whole engine's greedy output is the same on all
+three."""
 
 from __future__ import annotations
 
@@ -9,8 +12,16 @@ import torch
 
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.kernels import cpu_linear, cpu_ops
 from pdserve.model.llama import CPU_LINEAR_ENV, Linear, onednn_linear_available
 from pdserve.protocol.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def ops():
+    loaded = cpu_ops.load()
+    assert loaded is not None, "the CPU kernels must build on a machine with a C++ compiler (see the log)"
+    return loaded
 
 
 def test_this_torch_build_packs_float32_linears_for_onednn():
@@ -18,12 +29,64 @@ def test_this_torch_build_packs_float32_linears_for_onednn():
     assert onednn_linear_available(torch.float32)
 
 
+def test_panels_hold_sixteen_output_columns_each_zero_padded():
+    w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
+    panels = cpu_linear.pack_weight(w)
+    assert panels.shape == (2, 3, 16) and panels.is_contiguous()
+    assert torch.equal(panels[0], w[:16].t())
+    assert torch.equal(panels[1, :, :4], w[16:].t())
+    assert not panels[1, :, 4:].any()
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 61, 200])
+@pytest.mark.parametrize("out_features,in_features", [(160, 96), (17, 5), (33, 1025), (1, 1)])
+def test_the_compiled_linear_computes_the_plain_matmul(ops, rows, out_features, in_features):
+    torch.manual_seed(rows * 7 + out_features)
+    lin = Linear(in_features, out_features)
+    torch.nn.init.normal_(lin.weight)
+    x = torch.randn(rows, in_features + 8)[:, :in_features]  # strided rows, as a slice of a fused projection
+    with torch.inference_mode():
+        lin.pack_panels(ops)
+        got = lin(x)
+    assert got.shape == (rows, out_features)
+    torch.testing.assert_close(got, x @ lin.weight.t(), atol=1e-4 * in_features**0.5, rtol=1e-5)
+
+
+def test_the_compiled_linear_in_bfloat16_is_within_bfloat16_rounding(ops):
+    torch.manual_seed(3)
+    w, x = torch.randn(50, 300), torch.randn(9, 300)
+    got = cpu_linear.linear(ops, x.bfloat16(), cpu_linear.pack_weight(w.bfloat16()), 50)
+    assert got.dtype == torch.bfloat16
+    truth = x.bfloat16().double() @ w.bfloat16().double().t()
+    torch.testing.assert_close(got.double(), truth, atol=0.1, rtol=1e-2)
+
+
+def test_the_compiled_linear_keeps_leading_dimensions(ops):
+    w, x = torch.randn(24, 8), torch.randn(2, 3, 8)
+    got = cpu_linear.linear(ops, x, cpu_linear.pack_weight(w), 24)
+    torch.testing.assert_close(got, x @ w.t(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "x,n,match",
+    [
+        (torch.randn(2, 7), 24, "features"),
+        (torch.randn(2, 8, dtype=torch.float64), 24, "dtype"),
+        (torch.randn(2, 8), 40, "does not fit"),
+        (torch.randn(2, 8), 16, "does not fit"),
+    ],
+)
+def test_the_compiled_linear_refuses_inputs_that_do_not_fit(ops, x, n, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.linear(x, cpu_linear.pack_weight(torch.randn(24, 8)), n)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_a_packed_linear_computes_the_plain_matmul(rows):
+def test_a_onednn_packed_linear_computes_the_plain_matmul(rows):
     torch.manual_seed(rows)
     lin = Linear(96, 160)
     torch.nn.init.normal_(lin.weight)
-    x = torch.randn(rows, 200)[:, :96]  # strided rows, as a slice of a fused projection
+    x = torch.randn(rows, 200)[:, :96]
     with torch.inference_mode():
         plain = lin(x)
         lin.pack_onednn()
@@ -34,7 +97,10 @@ def test_a_packed_linear_computes_the_plain_matmul(rows):
 
 
 def greedy(tiny, monkeypatch, mode):
-    monkeypatch.setenv(CPU_LINEAR_ENV, mode)
+    if mode is None:
+        monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CPU_LINEAR_ENV, mode)
     engine = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32"), loaded=tiny)
     prompts = {f"r{i}": [3 + i, 17, 42 + 5 * i, 9, 100 + i] for i in range(4)}
     for rid, ids in prompts.items():
@@ -46,12 +112,25 @@ def greedy(tiny, monkeypatch, mode):
     return engine, out
 
 
-def test_the_engine_packs_on_cpu_by_default_and_mkl_turns_it_off(tiny, monkeypatch):
-    packed_engine, packed = greedy(tiny, monkeypatch, "onednn")
+def linears(engine):
+    return [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
+
+
+def test_the_engine_runs_the_compiled_linear_by_default_and_each_choice_gives_the_same_tokens(tiny, monkeypatch):
+    default_engine, default = greedy(tiny, monkeypatch, None)
+    onednn_engine, onednn = greedy(tiny, monkeypatch, "onednn")
     plain_engine, plain = greedy(tiny, monkeypatch, "mkl")
-    assert packed_engine.runner.cpu_linear == "onednn"
-    assert all(m.packed is not None for m in packed_engine.runner.model.modules() if isinstance(m, Linear))
+    assert default_engine.runner.cpu_linear == "pdserve"
+    assert all(m.panels is not None and m.packed is None for m in linears(default_engine))
+    assert onednn_engine.runner.cpu_linear == "onednn"
+    assert all(m.packed is not None and m.panels is None for m in linears(onednn_engine))
     assert plain_engine.runner.cpu_linear == "mkl"
-    assert all(m.packed is None for m in plain_engine.runner.model.modules() if isinstance(m, Linear))
-    assert all(len(v) == 12 for v in packed.values())
-    assert packed == plain
+    assert all(m.packed is None and m.panels is None for m in linears(plain_engine))
+    assert all(len(v) == 12 for v in default.values())
+    assert default == onednn == plain
+
+
+def test_an_unknown_linear_choice_is_refused_by_name(tiny, monkeypatch):
+    monkeypatch.setenv(CPU_LINEAR_ENV, "blas")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_LINEAR='blas'"):
+        Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32"), loaded=tiny)

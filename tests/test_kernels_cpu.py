@@ -216,6 +216,7 @@ def test_the_engine_gives_the_same_greedy_tokens_with_and_without_the_fused_ops(
         monkeypatch.setenv(CPU_FUSED_ENV, flag)
         engine = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32"), loaded=tiny)
         assert engine.runner.fused_elementwise is (flag == "1")
+        assert engine.runner.compiled_decode is (flag == "1")
         for i in range(3):
             engine.add_request(f"r{i}", [5 + i, 60, 7, 300 + i], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
         got: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
@@ -225,3 +226,58 @@ def test_the_engine_gives_the_same_greedy_tokens_with_and_without_the_fused_ops(
         outs[flag] = got
     assert all(len(v) == 10 for v in outs["1"].values())
     assert outs["1"] == outs["0"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_store_kv_writes_what_the_reference_writes_from_strided_views(backend, dtype):
+    torch.manual_seed(5)
+    tokens, hkv, d, block_size = 9, 3, 8, 4
+    qkv = torch.randn(tokens, (4 + 2) * hkv * d).to(dtype)  # k and v as views of a fused projection
+    key = qkv[:, 4 * hkv * d: 5 * hkv * d].view(tokens, hkv, d)
+    value = qkv[:, 5 * hkv * d:].view(tokens, hkv, d)
+    slots = torch.tensor([19, 0, -1, 7, 8, 3, -1, 12, 23])
+    caches = [torch.full((6, block_size, hkv, d), float("nan"), dtype=dtype) for _ in range(4)]
+    backend.store_kv(key, value, caches[0], caches[1], slots)
+    ReferenceBackend().store_kv(key, value, caches[2], caches[3], slots)
+    torch.testing.assert_close(caches[0], caches[2], equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(caches[1], caches[3], equal_nan=True, atol=0, rtol=0)
+    assert int(torch.isfinite(caches[0]).all(dim=(2, 3)).sum()) == 7
+
+
+def test_compiled_store_kv_refuses_a_slot_outside_the_cache_and_writes_nothing(backend):
+    key, value = torch.randn(3, 1, 8), torch.randn(3, 1, 8)
+    k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        backend.store_kv(key, value, k_cache, v_cache, torch.tensor([1, 8, 2]))
+    assert not k_cache.any() and not v_cache.any()
+
+
+def test_a_compiled_decoder_layer_step_writes_the_cache_and_tokens_the_pytorch_layers_do(tiny, monkeypatch):
+    """Two engines in lockstep, one running decode steps through decoder_layer_ and one through
+    the PyTorch layers: same greedy tokens, and the KV caches agree to float32 rounding."""
+    from pdserve.config.engine import EngineConfig
+    from pdserve.engine.engine import Engine
+    from pdserve.protocol.sampling import SamplingParams
+
+    monkeypatch.delenv("PDSERVE_CPU_FUSED", raising=False)
+    engines = [Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32"), loaded=tiny) for _ in range(2)]
+    assert all(e.runner.compiled_decode for e in engines)
+    for layer in engines[1].runner.model.model.layers:
+        layer.compiled = None
+    outs: list[dict[str, list[int]]] = [{}, {}]
+    for engine, out in zip(engines, outs, strict=True):
+        for i in range(3):  # different lengths: the decode batch reads different block counts
+            engine.add_request(f"r{i}", list(range(5 + i, 5 + 9 * (i + 1))), SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
+        while engine.scheduler.running or engine.scheduler.waiting:
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert all(len(v) == 9 for v in outs[0].values())
+    assert outs[0] == outs[1]
+    torch.testing.assert_close(engines[0].runner.kv_cache, engines[1].runner.kv_cache, atol=1e-4, rtol=1e-4)
+
+
+def test_a_compiled_decoder_layer_refuses_a_step_with_a_prefill(backend):
+    x = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match="decode-only"):
+        backend.ops.decoder_layer_(x, *([torch.empty(0)] * 9), torch.empty(0), torch.empty(0), torch.empty(0),
+                                   torch.zeros(2, dtype=torch.int32), torch.empty(0), 1, 1, 8, 8, 1e-5, 1.0)

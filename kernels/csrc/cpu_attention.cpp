@@ -14,6 +14,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -253,6 +254,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   });
 }
 
+}  // namespace
+
+namespace pdserve_cpu {
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "pdserve_cpu.decode_attention runs on CPU tensors");
@@ -294,10 +299,52 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
-}  // namespace
+// Each token's key and value row into its slot (block * S + offset) of the paged cache, one
+// memcpy each; negative slots are skipped, any other slot outside the cache is an error raised
+// before anything is written.
+void store_kv_(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+               const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.device().is_cpu() && k_cache.device().is_cpu(), "pdserve_cpu.store_kv_ runs on CPU tensors");
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes(), "key and value must be the same [T, Hkv, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "k_cache and v_cache must be the same [N, S, Hkv, D]");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type(),
+              "key, value and the cache must share a dtype");
+  TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3), "key rows do not fit the cache's [Hkv, D]");
+  const int64_t row = key.size(1) * key.size(2);
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 && value.stride(1) == value.size(2),
+              "each token's key and value must be one contiguous [Hkv, D] row");
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) && k_cache.stride(1) == row,
+              "each cache slot must be one contiguous [Hkv, D] row");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0), "slot_mapping must be [T]");
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t block_size = k_cache.size(1), capacity = k_cache.size(0) * block_size, tokens = key.size(0);
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(sp[t] < capacity, "token ", t, " has slot ", sp[t], ", outside the cache (", capacity, " slots)");
+  const int64_t bytes = row * key.element_size();
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t es = key.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t s = sp[t];
+    if (s < 0) continue;
+    const int64_t dst = ((s / block_size) * k_cache.stride(0) + (s % block_size) * row) * es;
+    std::memcpy(kc + dst, kp + t * key.stride(0) * es, bytes);
+    std::memcpy(vc + dst, vp + t * value.stride(0) * es, bytes);
+  }
+}
+
+}  // namespace pdserve_cpu
 
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_lens, Tensor block_tables, float scale) -> Tensor");
+  m.def("store_kv_(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
+  m.impl("decode_attention", &pdserve_cpu::decode_attention);
+  m.impl("store_kv_", &pdserve_cpu::store_kv_);
+}

@@ -8,6 +8,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "vec.h"
 
 #include <cmath>
@@ -100,6 +101,10 @@ void check_float(const at::Tensor& t, const char* name) {
               " must be float32 or bfloat16, not ", t.scalar_type());
 }
 
+}  // namespace
+
+namespace pdserve_cpu {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_float(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, H] with contiguous rows");
@@ -148,7 +153,7 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::
   }
 }
 
-}  // namespace
+}  // namespace pdserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -157,7 +162,7 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("silu_mul", &silu_mul);
-  m.impl("rotary_", &rotary_);
+  m.impl("rms_norm", &pdserve_cpu::rms_norm);
+  m.impl("silu_mul", &pdserve_cpu::silu_mul);
+  m.impl("rotary_", &pdserve_cpu::rotary_);
 }

@@ -1,0 +1,54 @@
+// One decoder layer of a decode-only step in one call. The same math in the same order as
+// model/llama.py's DecoderLayer, its oracle:
+//
+//   h = rms_norm(x); q, k, v = split(h Wqkv^T); rotary(q, k); store k, v at their slots
+//   x += attention(q, paged cache) Wo^T
+//   h = rms_norm(x); x += (silu(gate) * up)(h Wgate_up^T) Wdown^T
+//
+// A decode step at small batch spends as long on the Python layer's ~45 eager calls (dispatch,
+// views, checks, temporaries) as on the maths itself; here they are direct calls to the compiled
+// ops (ops.h), and x, the residual stream, is updated in place.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+namespace pdserve_cpu {
+
+void decoder_layer_(at::Tensor x, const at::Tensor& input_norm, const at::Tensor& post_norm, const at::Tensor& qkv,
+                    const at::Tensor& o, const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& positions,
+                    const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                    const at::Tensor& slot_mapping, const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
+                    double scale) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, H]");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == x.size(0),
+              "decoder_layer_ runs decode-only steps: one token per sequence, seq_lens [T]");
+  const int64_t tokens = x.size(0), hidden = x.size(1);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+
+  const at::Tensor qkv_out = linear(rms_norm(x, input_norm, eps), qkv, q_size + 2 * kv_size);
+  const at::Tensor q = qkv_out.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
+  const at::Tensor k = qkv_out.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
+  const at::Tensor v = qkv_out.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
+  rotary_(q, k, positions, cos, sin);
+  store_kv_(k, v, k_cache, v_cache, slot_mapping);
+  const at::Tensor attn = decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale);
+  x.add_(linear(attn.view({tokens, q_size}), o, hidden));
+
+  const at::Tensor up = linear(rms_norm(x, post_norm, eps), gate_up, 2 * intermediate_size);
+  x.add_(linear(silu_mul(up), down, hidden));
+}
+
+}  // namespace pdserve_cpu
+
+TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def(
+      "decoder_layer_(Tensor(a!) x, Tensor input_norm, Tensor post_norm, Tensor qkv, Tensor o, Tensor gate_up, "
+      "Tensor down, Tensor positions, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+      "Tensor slot_mapping, Tensor seq_lens, Tensor block_tables, int num_heads, int num_kv_heads, int head_dim, "
+      "int intermediate_size, float eps, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("decoder_layer_", &pdserve_cpu::decoder_layer_); }

@@ -1,0 +1,24 @@
+// The compiled CPU ops as C++ functions, for ops built from other ops (cpu_decoder_layer.cpp)
+// without a trip through the dispatcher. Each is registered as torch.ops.pdserve_cpu.<name> by
+// the file that defines it; the schemas and the checks live there.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace pdserve_cpu {
+
+// cpu_attention.cpp
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale);
+void store_kv_(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+               const at::Tensor& slot_mapping);
+
+// cpu_elementwise.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
+
+// cpu_linear.cpp
+at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features);
+
+}  // namespace pdserve_cpu
