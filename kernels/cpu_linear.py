@@ -1,6 +1,6 @@
 """The weight layout of the compiled CPU linear (kernels/csrc/cpu_linear.cpp).
 
-W [N, K] is packed once, at load, into panels of 16 output columns, [ceil(N/16), K, 16], the last
+W [N, K] is packed once, at load, into panels of 24 output columns, [ceil(N/24), K, 24], the last
 one zero-padded: each panel then streams front to back while the kernel multiplies it with a
 block of rows of x. `x @ W.T` on the plain weight is its oracle.
 """
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-PANEL = 16
+PANEL = 24
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] (any strides) -> contiguous [ceil(N/16), K, 16] panels in the same dtype."""
+    """[N, K] (any strides) -> contiguous [ceil(N/24), K, 24] panels in the same dtype."""
     n, k = weight.shape
     panels = -(-n // PANEL)
     padded = weight.new_zeros(panels * PANEL, k)

@@ -25,10 +25,10 @@ class Linear(nn.Module):
     On the CPU, MKL runs the small-batch matmuls of decode steps about twice as fast against
     this layout as F.linear against [out, in]; big prefill batches and CUDA do not care. Two
     packed CPU copies go further (the plain weight stays, for the other paths):
-    - `pack_panels(ops)`: panels of 16 output columns for the compiled kernel
+    - `pack_panels(ops)`: panels of 24 output columns for the compiled kernel
       (kernels/csrc/cpu_linear.cpp), which streams each weight once per block of rows. With 2
-      threads on an AVX2 EPYC it ran every SmolLM2 shape from 1 to 1024 rows as fast as oneDNN
-      or faster, 1.5-2x at decode sizes.
+      threads on an AVX2 EPYC it ran SmolLM2's projections from 1 to 256 rows faster than
+      oneDNN, 1.2-2x at decode sizes.
     - `pack_onednn()`: oneDNN's blocked layout, read directly by its matmul (1.2-2.7x MKL at
       decode sizes on the same machine); the choice for bfloat16 where the CPU has native
       bfloat16 (AVX512-BF16, AMX), whose instructions our kernel does not use.

@@ -29,16 +29,16 @@ def test_this_torch_build_packs_float32_linears_for_onednn():
     assert onednn_linear_available(torch.float32)
 
 
-def test_panels_hold_sixteen_output_columns_each_zero_padded():
-    w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
+def test_panels_hold_twenty_four_output_columns_each_zero_padded():
+    w = torch.arange(28 * 3, dtype=torch.float32).view(28, 3)
     panels = cpu_linear.pack_weight(w)
-    assert panels.shape == (2, 3, 16) and panels.is_contiguous()
-    assert torch.equal(panels[0], w[:16].t())
-    assert torch.equal(panels[1, :, :4], w[16:].t())
+    assert panels.shape == (2, 3, 24) and panels.is_contiguous()
+    assert torch.equal(panels[0], w[:24].t())
+    assert torch.equal(panels[1, :, :4], w[24:].t())
     assert not panels[1, :, 4:].any()
 
 
-@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 61, 200])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 13, 61, 200])
 @pytest.mark.parametrize("out_features,in_features", [(160, 96), (17, 5), (33, 1025), (1, 1)])
 def test_the_compiled_linear_computes_the_plain_matmul(ops, rows, out_features, in_features):
     torch.manual_seed(rows * 7 + out_features)
@@ -70,15 +70,15 @@ def test_the_compiled_linear_keeps_leading_dimensions(ops):
 @pytest.mark.parametrize(
     "x,n,match",
     [
-        (torch.randn(2, 7), 24, "features"),
-        (torch.randn(2, 8, dtype=torch.float64), 24, "dtype"),
-        (torch.randn(2, 8), 40, "does not fit"),
-        (torch.randn(2, 8), 16, "does not fit"),
+        (torch.randn(2, 7), 30, "features"),
+        (torch.randn(2, 8, dtype=torch.float64), 30, "dtype"),
+        (torch.randn(2, 8), 49, "does not fit"),  # 30 rows make 2 panels: 25 to 48 outputs
+        (torch.randn(2, 8), 24, "does not fit"),
     ],
 )
 def test_the_compiled_linear_refuses_inputs_that_do_not_fit(ops, x, n, match):
     with pytest.raises(RuntimeError, match=match):
-        ops.linear(x, cpu_linear.pack_weight(torch.randn(24, 8)), n)
+        ops.linear(x, cpu_linear.pack_weight(torch.randn(30, 8)), n)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
