@@ -31,8 +31,14 @@ constexpr int64_t kRowBlock = 48;
 
 inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
 
+// A step of up to this many rows is bound by the weights' bandwidth: its panels are prefetched
+// kPrefetch elements (about 10 rows of k) ahead, which ran 8 rows 15% faster from DRAM; with
+// more rows the panels come from cache and the prefetches only cost.
+constexpr int64_t kStreamRows = 16;
+constexpr int64_t kPrefetch = 256;
+
 // Rows 0 .. MR-1 of x times one panel: y[m, 0..ncols) for each of those rows.
-template <int MR, typename T>
+template <int MR, bool Prefetch, typename T>
 inline void tile(const T* x, int64_t ldx, const T* panel, int64_t k_size, T* y, int64_t ldy, int64_t ncols) {
   v8 acc[MR][kVectors];
   for (int m = 0; m < MR; ++m)
@@ -41,6 +47,7 @@ inline void tile(const T* x, int64_t ldx, const T* panel, int64_t k_size, T* y, 
   for (int64_t k = 0; k < k_size; ++k) {
     v8 w[kVectors];
     for (int v = 0; v < kVectors; ++v) w[v] = load8(panel + k * kPanel + 8 * v);
+    if (Prefetch) __builtin_prefetch(panel + k * kPanel + kPrefetch);
     for (int m = 0; m < MR; ++m) {
       const float a = to_float(x[m * ldx + k]);
       for (int v = 0; v < kVectors; ++v) acc[m][v] += a * w[v];
@@ -56,7 +63,7 @@ inline void tile(const T* x, int64_t ldx, const T* panel, int64_t k_size, T* y, 
 
 // Rows in tiles of at most 4, as even as possible (7 rows go as 4 + 3, not 4 + 2 + 1): a tile of
 // few rows has too few accumulators to hide the FMA latency.
-template <typename T>
+template <bool Prefetch, typename T>
 inline void rows_by_panel(const T* x, int64_t ldx, int64_t rows, const T* panel, int64_t k_size, T* y, int64_t ldy,
                           int64_t ncols) {
   const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows;
@@ -67,10 +74,10 @@ inline void rows_by_panel(const T* x, int64_t ldx, int64_t rows, const T* panel,
     const T* xr = x + m * ldx;
     T* yr = y + m * ldy;
     switch (mr) {
-      case 1: tile<1>(xr, ldx, panel, k_size, yr, ldy, ncols); break;
-      case 2: tile<2>(xr, ldx, panel, k_size, yr, ldy, ncols); break;
-      case 3: tile<3>(xr, ldx, panel, k_size, yr, ldy, ncols); break;
-      default: tile<4>(xr, ldx, panel, k_size, yr, ldy, ncols); break;
+      case 1: tile<1, Prefetch>(xr, ldx, panel, k_size, yr, ldy, ncols); break;
+      case 2: tile<2, Prefetch>(xr, ldx, panel, k_size, yr, ldy, ncols); break;
+      case 3: tile<3, Prefetch>(xr, ldx, panel, k_size, yr, ldy, ncols); break;
+      default: tile<4, Prefetch>(xr, ldx, panel, k_size, yr, ldy, ncols); break;
     }
     m += mr;
   }
@@ -86,8 +93,13 @@ void linear_kernel(const at::Tensor& x, const at::Tensor& panels, int64_t n, at:
     const int64_t m_rows = std::min(kRowBlock, rows - m0);
     at::parallel_for(0, num_panels, 4, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
-        rows_by_panel(xp + m0 * ldx, ldx, m_rows, wp + p * k_size * kPanel, k_size, yp + m0 * n + p * kPanel, n,
-                      std::min(kPanel, n - p * kPanel));
+        const T* panel = wp + p * k_size * kPanel;
+        const int64_t ncols = std::min(kPanel, n - p * kPanel);
+        if (rows <= kStreamRows) {
+          rows_by_panel<true>(xp + m0 * ldx, ldx, m_rows, panel, k_size, yp + m0 * n + p * kPanel, n, ncols);
+        } else {
+          rows_by_panel<false>(xp + m0 * ldx, ldx, m_rows, panel, k_size, yp + m0 * n + p * kPanel, n, ncols);
+        }
       }
     });
   }
