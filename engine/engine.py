@@ -128,6 +128,7 @@ class Engine:
         )
         self.runner = ModelRunner(config, loaded.config, loaded.state_dict, self.max_model_len, num_blocks)
         self.counters = EngineCounters()
+        self.last_step_ran = False  # whether the last step() ran the model (a caller's idle check)
         self.grammars = GrammarCompiler(loaded.tokenizer)
         self._saves: list[KVSave] = []
         log.info("engine up: policy=%s connector=%s model=%s blocks=%d x %d device=%s dtype=%s",
@@ -196,6 +197,7 @@ class Engine:
             load_failed = {r.request_id for r in failed}
             ended += failed
         outputs = [self._ended(r, "kv_failed" if r.request_id in load_failed else "") for r in ended]
+        self.last_step_ran = not out.empty
         if out.empty:
             return outputs
         samplers, result = self.runner.execute(out.scheduled)

@@ -120,3 +120,31 @@ def test_check_integrity_reports_a_lost_block():
     pool.ref_count[0] = 0  # forget the holder without freeing
     with pytest.raises(PoolCorrupted):
         pool.check_integrity()
+
+
+def test_a_loop_whose_requests_cannot_run_yet_sleeps_instead_of_spinning(colocated, monkeypatch):
+    """Requests waiting on something outside the loop (KV still arriving, KV held for a transfer)
+    leave nothing to run: the loop must not spin on the core the other worker computes on."""
+    import threading
+    import time
+
+    from pdserve.worker.loop import IDLE_SLEEP_S
+
+    steps = []
+
+    def idle_step():
+        steps.append(time.monotonic())
+        colocated.engine.last_step_ran = False
+        return []
+
+    monkeypatch.setattr(colocated.engine, "has_unfinished", lambda: True)
+    monkeypatch.setattr(colocated.engine, "step", idle_step)
+    colocated.start()
+    loop = threading.Thread(target=colocated.run)
+    loop.start()
+    window = 0.5
+    time.sleep(window)  # the measurement window itself: steps are counted over it
+    colocated.stop()
+    loop.join(timeout=10)
+    assert not loop.is_alive()
+    assert 10 < len(steps) <= window / IDLE_SLEEP_S  # one step per idle sleep at most; spinning makes 10^5

@@ -45,6 +45,7 @@ from pdserve.worker.tracing import NO_SPANS, NoSpans, worker_spans
 log = logging.getLogger(__name__)
 
 ROUTES_SWEEP_SECONDS = 1.0  # how often the routes of finished requests are forgotten
+IDLE_SLEEP_S = 0.0005  # a loop with nothing to run sleeps this long before polling again
 
 
 def default_worker_id(role: str) -> str:
@@ -175,8 +176,12 @@ class Worker(ABC):
                 self._flush()
                 self._guarded("KV save", self.engine.save_kv)
                 self._guarded("post-step I/O", self.after_step)
+                if not outputs and not self.engine.last_step_ran:
+                    # Requests wait on something outside this loop (KV still arriving, KV held for
+                    # a transfer): spinning here would take the core the other worker computes on.
+                    time.sleep(IDLE_SLEEP_S)
             else:
-                time.sleep(0.0005)
+                time.sleep(IDLE_SLEEP_S)
             self._flush()
             self._tick()
             if self._draining:
