@@ -135,6 +135,9 @@ class DecodeOnlyPolicy(Policy):
 
     def schedule(self, s: Scheduler, step: Step) -> None:
         self.schedule_decodes(s, step)
+        # Recomputes (a pre-empted request, or a whole prompt when no prefill worker is left) run
+        # in chunks like the chunked policy's: a chunk admitted in one step goes on in the next.
+        self.schedule_prefill_chunks(s, step)
         self.admit_waiting(s, step, chunk=True)  # admits prefilled arrivals (1 token) and recomputes
 
 

@@ -66,8 +66,10 @@ def plan(args) -> list[tuple[str, list[str], int | None]]:
     """(name, argv, cpu core or None) of every child process."""
     base = [sys.executable, "-m", "pdserve", "--log-level", logging.getLevelName(logging.getLogger().level)]
     control = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    workers = args.num_decode + (0 if args.colocated else args.num_prefill)
     router = [*base, "router", "--host", args.host, "--port", str(args.port), "--control-address", control,
-              "--model", args.model, "--kv-transport", "auto", "--drain-timeout", str(args.drain_timeout)]
+              "--model", args.model, "--kv-transport", "auto", "--drain-timeout", str(args.drain_timeout),
+              "--expect-workers", str(workers)]
     if args.api_key:
         router += ["--api-key", args.api_key]
     traces = tracing_options(args)

@@ -119,6 +119,9 @@ async def ready(request: Request) -> Response:
         return JSONResponse(
             {"status": "no workers", "workers": len(svc.registry.workers)}, status_code=503
         )
+    expected, seen = svc.config.expect_workers, len(svc.registry.ever_registered)
+    if seen < expected:  # e.g. `pdserve up` before its prefill worker is in: a burst would all fall back
+        return JSONResponse({"status": "starting", "workers": seen, "expected": expected}, status_code=503)
     return JSONResponse({"status": "ready", "workers": len(svc.registry.workers)})
 
 

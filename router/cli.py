@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--prefill-fallback", True,
          "with no prefill worker left, a decode worker prefills a request itself (conditional disaggregation)",
          action=argparse.BooleanOptionalAction)
+    flag("--expect-workers", 0,
+         "/ready answers 503 until this many distinct workers have registered (`pdserve up` passes the "
+         "number it starts; 0: ready as soon as any worker can serve)")
     flag("--drain-timeout", 30.0, "on SIGTERM, how long in-flight requests may still run")
     flag("--grammar-timeout", 5.0,
          "seconds a structured-output constraint or tool schema may take to compile (400 after)")
@@ -111,6 +114,7 @@ def config_from_args(args: argparse.Namespace, model_name: str):
         migration_limit=args.migration_limit,
         prefill_fallback=args.prefill_fallback,
         grammar_timeout=args.grammar_timeout,
+        expect_workers=args.expect_workers,
     )
 
 

@@ -122,6 +122,7 @@ class Registry:
         # whole request itself: conditional disaggregation as the fallback, not an outage.
         self.prefill_fallback = prefill_fallback
         self.workers: dict[str, WorkerState] = {}
+        self.ever_registered: set[str] = set()  # worker ids seen since start (readiness counts them)
 
     # --- membership ----------------------------------------------------------------------
 
@@ -140,6 +141,7 @@ class Registry:
         self.workers[msg.worker_id] = WorkerState(
             info=msg, last_seen=now, free_blocks=msg.num_blocks, total_blocks=msg.num_blocks
         )
+        self.ever_registered.add(msg.worker_id)
         return None, old
 
     def heartbeat(self, msg: Heartbeat, now: float) -> WorkerState | None:

@@ -60,6 +60,7 @@ class RouterConfig:
     migration_limit: int = 3  # re-dispatches of one choice: its worker was lost or gave it up
     prefill_fallback: bool = True  # no prefill worker left: a decode worker serves the request whole
     grammar_timeout: float = 5.0  # seconds to compile a structured-output constraint
+    expect_workers: int = 0  # /ready waits until this many distinct workers have registered
 
 
 class Slot:

@@ -178,6 +178,17 @@ def test_no_workers_is_503_and_not_ready():
         envelope(c.post("/v1/chat/completions", json=OK_CHAT), 503)
 
 
+def test_ready_waits_for_the_expected_workers_so_a_first_burst_is_not_all_fallback():
+    """`pdserve up` starts a prefill and a decode worker: until both are in, a decode worker alone
+    could serve every request whole (the fallback), so /ready says 503 until then."""
+    with RouterHarness(expect_workers=2) as h, httpx.Client(base_url=h.base_url) as c:
+        h.worker("decode-0", role="decode")
+        r = c.get("/ready")
+        assert r.status_code == 503 and r.json() == {"status": "starting", "workers": 1, "expected": 2}
+        h.worker("prefill-0", role="prefill")
+        assert c.get("/ready").status_code == 200
+
+
 def test_api_key_required_when_set():
     with RouterHarness(api_key="s3cret") as h, httpx.Client(base_url=h.base_url) as c:
         h.worker("colo-0")

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.config.names import COLOCATED_POLICIES
+from pdserve.config.names import COLOCATED_POLICIES, DECODE_ONLY
 from pdserve.engine.request import RequestStatus
 from tests.scheduler_harness import Sim
 
@@ -171,4 +171,19 @@ def test_abort_is_idempotent_in_every_state():
     sim.abort("unknown")
     assert sim.all["w"].status is RequestStatus.FINISHED_ABORTED
     assert sim.all["q"].status is RequestStatus.FINISHED_ABORTED
+    assert sim.pool.num_used == 0
+
+
+def test_decode_only_finishes_whole_prompts_longer_than_its_step_budget():
+    """A decode worker serving whole prompts (no prefill worker left) or recomputing pre-empted
+    ones runs them in chunks: a chunk cut by the step budget goes on in the next step."""
+    sim = Sim(DECODE_ONLY, max_num_batched_tokens=16)
+    for i in range(4):
+        sim.add(f"r{i}", [10 + i] * 23, 3)  # 23 prompt tokens each, budget 16 a step
+    steps = 0
+    while sim.sched.has_unfinished():
+        sim.step()
+        steps += 1
+        assert steps < 100, f"no progress: {[(r.request_id, r.num_computed_tokens) for r in sim.sched.running]}"
+    assert sorted(sim.finished) == [f"r{i}" for i in range(4)]
     assert sim.pool.num_used == 0

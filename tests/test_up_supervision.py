@@ -62,3 +62,17 @@ def test_a_child_that_keeps_dying_backs_off_longer_each_time(tmp_path):
         assert backoffs == [1.0, 2.0, 4.0, 4.0] and sup.children[0].history[:4] == [3, 3, 3, 3]
     finally:
         sup.stop(timeout=5)
+
+
+@pytest.mark.parametrize("argv,expected", [(["up"], "2"), (["up", "--num-prefill", "2"], "3"), (["up", "--colocated"], "1")])
+def test_up_tells_the_router_how_many_workers_to_wait_for(argv, expected):
+    import argparse
+
+    from pdserve import up as up_command
+
+    parser = argparse.ArgumentParser()
+    up_command.register(parser.add_subparsers())
+    children = up_command.plan(parser.parse_args(argv))
+    router = dict((name, cmd) for name, cmd, _ in children)["router"]
+    assert router[router.index("--expect-workers") + 1] == expected
+    assert len(children) - 1 == int(expected)
