@@ -75,8 +75,13 @@ def test_a_frame_older_than_the_window_is_refused():
 # --- the control plane -------------------------------------------------------------------------
 
 
+# The chats below need the good worker in rotation the whole time: a loaded CI machine can delay
+# a fake worker's heartbeat past the harness's 1 s default and fail them with a timeout.
+PATIENT = 10.0
+
+
 def test_registration_without_a_mac_is_refused_and_gets_no_work():
-    with RouterHarness(auth=FrameAuth.from_secret(SECRET)) as h:
+    with RouterHarness(auth=FrameAuth.from_secret(SECRET), heartbeat_timeout=PATIENT) as h:
         good = h.worker("good-0")
         rogue = zmq.Context.instance().socket(zmq.DEALER)
         rogue.setsockopt(zmq.IDENTITY, b"rogue-0")
@@ -95,7 +100,7 @@ def test_registration_without_a_mac_is_refused_and_gets_no_work():
 
 
 def test_registration_with_a_wrong_mac_is_refused_and_gets_no_work():
-    with RouterHarness(auth=FrameAuth.from_secret(SECRET)) as h:
+    with RouterHarness(auth=FrameAuth.from_secret(SECRET), heartbeat_timeout=PATIENT) as h:
         good = h.worker("good-0")
         rogue = FakeWorker(h.control_address, "rogue-1", auth=FrameAuth.from_secret(OTHER))
         rogue.link.start()
