@@ -19,7 +19,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.engine.scheduler import ScheduledRequest
 from pdserve.kernels.backends import get_backend
-from pdserve.kernels.cpu_backend import CpuBackend
+from pdserve.kernels.cpu_backend import COMPILED_DTYPES, CpuBackend
 from pdserve.model.attention_metadata import AttentionMetadata
 from pdserve.model.config import ModelConfig, resolve_dtype, torch_dtype
 from pdserve.model.llama import CPU_LINEAR_ENV, LlamaForCausalLM, onednn_linear_available
@@ -44,7 +44,7 @@ class ModelRunner:
         self.model.model.rotary.to(dtype=torch.float32)  # keep rotary tables in float32
         # torch.ops.pdserve_cpu where the compiled CPU backend runs and this dtype is one it computes.
         self.compiled_ops = (
-            self.backend.ops if isinstance(self.backend, CpuBackend) and self.dtype in (torch.float32, torch.bfloat16) else None
+            self.backend.ops if isinstance(self.backend, CpuBackend) and self.dtype in COMPILED_DTYPES else None
         )
         self.cpu_linear = self._pack_cpu_linears() if self.device.type == "cpu" else "none"
         # The compiled elementwise ops ship with the compiled attention (kernels/csrc).

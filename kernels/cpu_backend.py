@@ -25,14 +25,19 @@ class CpuBackend(ReferenceBackend):
         self.ops = ops
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        if key.dtype not in COMPILED_DTYPES or k_cache.dtype != key.dtype or value.dtype != key.dtype or key.device.type != "cpu":
+        if not computes(key, value, k_cache):
             return super().store_kv(key, value, k_cache, v_cache, slot_mapping)
         self.ops.store_kv_(key, value, k_cache, v_cache, slot_mapping)  # type: ignore[attr-defined]
 
     def decode_attention(self, q, k_cache, v_cache, seq_lens, block_tables, scale) -> torch.Tensor:
         check_shapes(q, k_cache, v_cache)
-        if q.dtype not in COMPILED_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or q.device.type != "cpu":
+        if not computes(q, k_cache, v_cache):
             return super().decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale)
         return self.ops.decode_attention(  # type: ignore[attr-defined]
             q, k_cache, v_cache, seq_lens.to(torch.int32), block_tables.to(torch.int32).contiguous(), float(scale)
         )
+
+
+def computes(first: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the compiled ops take these tensors: CPU, and one dtype they compute in."""
+    return first.device.type == "cpu" and first.dtype in COMPILED_DTYPES and all(t.dtype == first.dtype for t in others)

@@ -161,7 +161,8 @@ class Worker(ABC):
                 self._accept_safely(work)
             self._guarded("transport poll", self.poll_io)
             self._guarded("block reclaim", self.engine.reclaim)
-            if self.engine.has_unfinished():
+            idle = not self.engine.has_unfinished()
+            if not idle:
                 step_started = time.time_ns()
                 try:
                     outputs = self.engine.step()
@@ -176,11 +177,10 @@ class Worker(ABC):
                 self._flush()
                 self._guarded("KV save", self.engine.save_kv)
                 self._guarded("post-step I/O", self.after_step)
-                if not outputs and not self.engine.last_step_ran:
-                    # Requests wait on something outside this loop (KV still arriving, KV held for
-                    # a transfer): spinning here would take the core the other worker computes on.
-                    time.sleep(IDLE_SLEEP_S)
-            else:
+                # Requests that wait on something outside this loop (KV still arriving, KV held
+                # for a transfer) leave nothing to run: spinning would take the other worker's core.
+                idle = not outputs and not self.engine.last_step_ran
+            if idle:
                 time.sleep(IDLE_SLEEP_S)
             self._flush()
             self._tick()
