@@ -52,7 +52,7 @@ class ModelRunner:
         if self.fused_elementwise:
             self.model.use_fused_ops(self.compiled_ops)
         # Decode-only steps run each layer as one compiled call where every piece of it is compiled.
-        self.compiled_decode = self.fused_elementwise and self.cpu_linear == "pdserve"
+        self.compiled_decode = self.fused_elementwise and self.cpu_linear in ("pdserve", "onednn")
         if self.compiled_decode:
             self.model.use_compiled_decode(self.compiled_ops)
         m = model_config

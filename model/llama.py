@@ -213,12 +213,14 @@ class DecoderLayer(nn.Module):
         return x
 
     def use_compiled_decode(self, ops) -> None:
-        """Decode-only steps through `ops.decoder_layer_`, reading the panel-packed weights."""
+        """Decode-only steps through `ops.decoder_layer_`, reading the packed weights (panels or
+        oneDNN's layout, whichever pack_cpu_linears made)."""
         attn, mlp = self.self_attn, self.mlp
-        weights = (self.input_layernorm.weight, self.post_attention_layernorm.weight, attn.qkv_proj.panels,
-                   attn.o_proj.panels, mlp.gate_up_proj.panels, mlp.down_proj.panels)
-        if any(w is None for w in weights):
-            raise ValueError("use_compiled_decode needs every projection packed into panels first (pack_cpu_linears(ops))")
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        packed = tuple(p.panels if p.panels is not None else p.packed for p in projections)
+        if any(w is None for w in packed):
+            raise ValueError("use_compiled_decode needs every projection packed first (pack_cpu_linears)")
+        weights = (self.input_layernorm.weight, self.post_attention_layernorm.weight, *packed)
         dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size, self.input_layernorm.eps, attn.scale)
         self._compiled_args = (weights, dims)
         self.compiled = ops
@@ -280,8 +282,8 @@ class LlamaForCausalLM(nn.Module):
 
     def use_compiled_decode(self, ops) -> None:
         """Run each layer of a decode-only step as one compiled call (after use_fused_ops and
-        pack_cpu_linears(ops): it reads the panel-packed weights); the PyTorch layer stays the
-        path of every other step and the oracle."""
+        pack_cpu_linears: it reads the packed weights); the PyTorch layer stays the path of every
+        other step and the oracle."""
         for layer in self.model.layers:
             assert isinstance(layer, DecoderLayer)
             layer.use_compiled_decode(ops)

@@ -1,6 +1,7 @@
 """The compiled CPU backend (kernels/csrc/cpu_attention.cpp) against the dense float64 oracle and
 the PyTorch reference: odd lengths, page sizes 1/7/16, GQA groups on the vectorised paths (1-8)
-and past them (9), head sizes that are and are not a multiple of 8, shuffled tables padded with
+and past them (9), head sizes that are and are not a multiple of 8 (and, on AVX-512, of 16 and
+32: attention_avx512.h), shuffled tables padded with
 -1 over caches whose unused slots hold NaN, float32 and bfloat16, strided q as the model passes
 it. Bad tables raise instead of reading outside the cache. The build itself, its cache key and
 the fallback to the reference when it cannot build are tested too."""
@@ -52,8 +53,10 @@ def test_decode_over_page_sizes_and_lengths(backend, block_size, ctx):
     torch.testing.assert_close(out.double(), oracle(case), atol=1e-5, rtol=1e-5)
 
 
-def test_bfloat16_matches_the_reference_within_its_precision(backend):
-    case = decode_case([5, 64, 257], group=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+@pytest.mark.parametrize("group", [1, 3, 8, 9])
+@pytest.mark.parametrize("head_dim", [16, 64, 12])  # widened to float32 / vdpbf16ps / 8-wide, on AVX-512
+def test_bfloat16_matches_the_reference_within_its_precision(backend, group, head_dim):
+    case = decode_case([5, 64, 257], group=group, head_dim=head_dim, block_size=16, dtype=torch.bfloat16)
     out = run(backend, case)
     assert out.dtype == torch.bfloat16
     expected = ReferenceBackend().decode_attention(case.decode_q, case.k_cache, case.v_cache, case.seq_lens,
@@ -252,16 +255,20 @@ def test_compiled_store_kv_refuses_a_slot_outside_the_cache_and_writes_nothing(b
     assert not k_cache.any() and not v_cache.any()
 
 
-def test_a_compiled_decoder_layer_step_writes_the_cache_and_tokens_the_pytorch_layers_do(tiny, monkeypatch):
+@pytest.mark.parametrize("linear", ["pdserve", "onednn"])
+def test_a_compiled_decoder_layer_step_writes_the_cache_and_tokens_the_pytorch_layers_do(tiny, monkeypatch, linear):
     """Two engines in lockstep, one running decode steps through decoder_layer_ and one through
-    the PyTorch layers: same greedy tokens, and the KV caches agree to float32 rounding."""
+    the PyTorch layers: same greedy tokens, and the KV caches agree to float32 rounding. The
+    layer takes the projections packed either way: our panels or oneDNN's layout."""
     from pdserve.config.engine import EngineConfig
     from pdserve.engine.engine import Engine
+    from pdserve.model.llama import CPU_LINEAR_ENV
     from pdserve.protocol.sampling import SamplingParams
 
     monkeypatch.delenv("PDSERVE_CPU_FUSED", raising=False)
+    monkeypatch.setenv(CPU_LINEAR_ENV, linear)
     engines = [Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32"), loaded=tiny) for _ in range(2)]
-    assert all(e.runner.compiled_decode for e in engines)
+    assert all(e.runner.compiled_decode and e.runner.cpu_linear == linear for e in engines)
     for layer in engines[1].runner.model.model.layers:
         layer.compiled = None
     outs: list[dict[str, list[int]]] = [{}, {}]
@@ -281,3 +288,48 @@ def test_a_compiled_decoder_layer_refuses_a_step_with_a_prefill(backend):
     with pytest.raises(RuntimeError, match="decode-only"):
         backend.ops.decoder_layer_(x, *([torch.empty(0)] * 9), torch.empty(0), torch.empty(0), torch.empty(0),
                                    torch.zeros(2, dtype=torch.int32), torch.empty(0), 1, 1, 8, 8, 1e-5, 1.0)
+
+
+def test_a_bfloat16_compiled_decoder_layer_matches_the_pytorch_layers(tiny, monkeypatch):
+    """bfloat16 with the linear `auto` picks on this CPU (oneDNN where it has AMX or AVX512-BF16,
+    our panels elsewhere): decode steps through decoder_layer_ give the tokens and the KV cache
+    the PyTorch layers give, op for op."""
+    from pdserve.config.engine import EngineConfig
+    from pdserve.engine.engine import Engine
+    from pdserve.model.llama import CPU_LINEAR_ENV, onednn_linear_available
+    from pdserve.protocol.sampling import SamplingParams
+
+    monkeypatch.delenv("PDSERVE_CPU_FUSED", raising=False)
+    monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
+    engines = [Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="bfloat16"), loaded=tiny) for _ in range(2)]
+    picked = "onednn" if onednn_linear_available(torch.bfloat16) else "pdserve"
+    assert all(e.runner.compiled_decode and e.runner.cpu_linear == picked for e in engines)
+    for layer in engines[1].runner.model.model.layers:
+        layer.compiled = None
+    outs: list[dict[str, list[int]]] = [{}, {}]
+    for engine, out in zip(engines, outs, strict=True):
+        for i in range(3):
+            engine.add_request(f"r{i}", list(range(5 + i, 5 + 9 * (i + 1))), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        while engine.scheduler.running or engine.scheduler.waiting:
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert all(len(v) == 6 for v in outs[0].values())
+    assert outs[0] == outs[1]
+    torch.testing.assert_close(engines[0].runner.kv_cache, engines[1].runner.kv_cache, atol=0, rtol=0)
+
+
+def test_bfloat16_outputs_round_to_nearest_even_as_torch_does(backend):
+    """The kernels round their float32 results to bfloat16 eight at a time: to nearest, ties to
+    even, NaN kept, as torch's own conversion does (truncation would miss about half)."""
+    torch.manual_seed(3)
+    gate_up = torch.randn(64, 2 * 256) * 3
+    gate_up[0, 0] = float("nan")
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = backend.ops.silu_mul(gate_up.to(torch.bfloat16)).float()
+    g, u = gate.to(torch.bfloat16).float(), up.to(torch.bfloat16).float()
+    want = (torch.nn.functional.silu(g) * u).to(torch.bfloat16).float()
+    assert got[0, 0].isnan()
+    got[0, 0] = want[0, 0] = 0.0
+    ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(1e-30)
+    assert ((got - want).abs() <= ulp).all(), "at most one bfloat16 step from torch's rounding"
+    assert (got == want).float().mean() > 0.99, "ties and near-ties aside, the very same bfloat16"

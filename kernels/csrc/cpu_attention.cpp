@@ -14,6 +14,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "attention_avx512.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -22,6 +23,7 @@
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -210,6 +212,63 @@ void weighted_sum_dispatch(const float* p, const T* vp, const int64_t* rows, int
   weighted_sum_any(p, vp, rows, ctx, geo, out);
 }
 
+// f(std::integral_constant<int, G>) for a group size 1..8 known at compile time; false for others.
+template <typename F>
+bool by_group(int64_t group, F&& f) {
+  switch (group) {
+    case 1: f(std::integral_constant<int, 1>{}); return true;
+    case 2: f(std::integral_constant<int, 2>{}); return true;
+    case 3: f(std::integral_constant<int, 3>{}); return true;
+    case 4: f(std::integral_constant<int, 4>{}); return true;
+    case 5: f(std::integral_constant<int, 5>{}); return true;
+    case 6: f(std::integral_constant<int, 6>{}); return true;
+    case 7: f(std::integral_constant<int, 7>{}); return true;
+    case 8: f(std::integral_constant<int, 8>{}); return true;
+    default: return false;
+  }
+}
+
+// The 512-bit loops (attention_avx512.h) where the CPU has AVX-512 and the head size is a multiple
+// of 16; false where they do not apply and the 8-wide loops run. q_raw holds the group's G query
+// rows as they came, qf the same rows in float32, scaled.
+template <typename T>
+bool scores_wide(const T* q_raw, const float* qf, const T* kp, const int64_t* rows, int64_t ctx, const Geometry& geo,
+                 float scale, float* scores) {
+#if defined(__AVX512F__)
+  if (geo.d % avx512::kLanes != 0) return false;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (geo.d % (2 * avx512::kLanes) == 0)
+      return by_group(geo.group, [&](auto g) {
+        avx512::scores<decltype(g)::value>(avx512::Bf16Dot<decltype(g)::value>{q_raw, geo.d}, kp, rows, ctx, scale, scores);
+      });
+  }
+#endif
+  return by_group(geo.group, [&](auto g) {
+    avx512::scores<decltype(g)::value>(avx512::WideDot<decltype(g)::value, T>{qf, geo.d}, kp, rows, ctx, 1.f, scores);
+  });
+#else
+  (void)q_raw, (void)qf, (void)kp, (void)rows, (void)ctx, (void)geo, (void)scale, (void)scores;
+  return false;
+#endif
+}
+
+template <typename T>
+bool weighted_sum_wide(const float* p, const T* vp, const int64_t* rows, int64_t ctx, const Geometry& geo, float* out) {
+#if defined(__AVX512F__)
+  if (geo.d % avx512::kLanes != 0) return false;
+  return by_group(geo.group, [&](auto g) {
+    constexpr int G = decltype(g)::value;
+    constexpr int NC = G <= 4 ? 4 : 2;  // at most 16 accumulators
+    if (geo.d % (avx512::kLanes * NC) == 0) return avx512::weighted_sum<G, NC>(p, vp, rows, ctx, geo.d, out);
+    avx512::weighted_sum<G, 1>(p, vp, rows, ctx, geo.d, out);
+  });
+#else
+  (void)p, (void)vp, (void)rows, (void)ctx, (void)geo, (void)out;
+  return false;
+#endif
+}
+
 template <typename T>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
@@ -230,6 +289,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 
   at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), scores;
+    std::vector<T> q_raw(group * d);
     std::vector<int64_t> rows;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / hkv, h = item % hkv;
@@ -241,15 +301,20 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       }
       for (int64_t g = 0; g < group; ++g) {
         const T* src = qp + b * q_sb + (h * group + g) * q_sh;
+        std::copy(src, src + d, q_raw.data() + g * d);
         for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(src[i]) * fscale;
       }
       scores.resize(group * ctx);
       const int32_t* blocks = table + b * t_sb;
       row_offsets(blocks, h, ctx, geo, rows);
-      scores_dispatch(qf.data(), kp, rows.data(), ctx, geo, scores.data());
+      if (!scores_wide(q_raw.data(), qf.data(), kp, rows.data(), ctx, geo, fscale, scores.data()))
+        scores_dispatch(qf.data(), kp, rows.data(), ctx, geo, scores.data());
       for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * ctx, ctx);
-      weighted_sum_dispatch(scores.data(), vp, rows.data(), ctx, geo, acc.data());
-      for (int64_t i = 0; i < group * d; ++i) o[i] = from_float<T>(acc[i]);
+      if (!weighted_sum_wide(scores.data(), vp, rows.data(), ctx, geo, acc.data()))
+        weighted_sum_dispatch(scores.data(), vp, rows.data(), ctx, geo, acc.data());
+      int64_t i = 0;
+      for (; i + 8 <= group * d; i += 8) store8(o + i, load8(acc.data() + i));
+      for (; i < group * d; ++i) o[i] = from_float<T>(acc[i]);
     }
   });
 }

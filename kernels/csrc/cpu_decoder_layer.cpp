@@ -7,7 +7,8 @@
 //
 // A decode step at small batch spends as long on the Python layer's ~45 eager calls (dispatch,
 // views, checks, temporaries) as on the maths itself; here they are direct calls to the compiled
-// ops (ops.h), and x, the residual stream, is updated in place.
+// ops (ops.h), and x, the residual stream, is updated in place. The projections take either
+// packing (ops.h `project`): our panels, or oneDNN's layout where bfloat16 runs on AMX/AVX512-BF16.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -28,17 +29,17 @@ void decoder_layer_(at::Tensor x, const at::Tensor& input_norm, const at::Tensor
   const int64_t tokens = x.size(0), hidden = x.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
 
-  const at::Tensor qkv_out = linear(rms_norm(x, input_norm, eps), qkv, q_size + 2 * kv_size);
+  const at::Tensor qkv_out = project(rms_norm(x, input_norm, eps), qkv, q_size + 2 * kv_size);
   const at::Tensor q = qkv_out.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
   const at::Tensor k = qkv_out.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
   const at::Tensor v = qkv_out.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
   rotary_(q, k, positions, cos, sin);
   store_kv_(k, v, k_cache, v_cache, slot_mapping);
   const at::Tensor attn = decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale);
-  x.add_(linear(attn.view({tokens, q_size}), o, hidden));
+  x.add_(project(attn.view({tokens, q_size}), o, hidden));
 
-  const at::Tensor up = linear(rms_norm(x, post_norm, eps), gate_up, 2 * intermediate_size);
-  x.add_(linear(silu_mul(up), down, hidden));
+  const at::Tensor up = project(rms_norm(x, post_norm, eps), gate_up, 2 * intermediate_size);
+  x.add_(project(silu_mul(up), down, hidden));
 }
 
 }  // namespace pdserve_cpu
@@ -52,3 +53,6 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("decoder_layer_", &pdserve_cpu::decoder_layer_); }
+
+// oneDNN-packed weights are MkldnnCPU tensors, which make the dispatcher look for that key.
+TORCH_LIBRARY_IMPL(pdserve_cpu, MkldnnCPU, m) { m.impl("decoder_layer_", &pdserve_cpu::decoder_layer_); }

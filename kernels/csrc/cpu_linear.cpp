@@ -13,6 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -28,8 +29,6 @@ constexpr int64_t kPanel = 24;
 constexpr int kVectors = kPanel / 8;
 constexpr int kMaxRows = 4;
 constexpr int64_t kRowBlock = 48;
-
-inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
 
 // A step of up to this many rows is bound by the weights' bandwidth: its panels are prefetched
 // kPrefetch elements (about 10 rows of k) ahead, which ran 8 rows 15% faster from DRAM; with
@@ -54,9 +53,13 @@ inline void tile(const T* x, int64_t ldx, const T* panel, int64_t k_size, T* y, 
     }
   }
   for (int m = 0; m < MR; ++m) {
-    float row[kPanel];
-    for (int v = 0; v < kVectors; ++v) store8(row + 8 * v, acc[m][v]);
     T* out = y + m * ldy;
+    if (ncols == kPanel) {
+      for (int v = 0; v < kVectors; ++v) store8(out + 8 * v, acc[m][v]);
+      continue;
+    }
+    float row[kPanel];  // the last, zero-padded panel
+    for (int v = 0; v < kVectors; ++v) store8(row + 8 * v, acc[m][v]);
     for (int64_t j = 0; j < ncols; ++j) out[j] = from_float<T>(row[j]);
   }
 }
@@ -129,6 +132,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_fea
     TORCH_CHECK(false, "pdserve_cpu.linear supports float32 and bfloat16, not ", x.scalar_type());
   }
   return y;
+}
+
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_features) {
+  if (weight.dim() == 3) return linear(x, weight, out_features);
+  // oneDNN's packed matmul, the op model/llama.py's Linear calls for this layout; on a CPU with
+  // AMX or AVX512-BF16 its bfloat16 kernels use those units.
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == out_features && weight.size(1) == x.size(1),
+              "a oneDNN-packed weight must be [", out_features, ", ", x.size(1), "], got ", weight.sizes());
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                            c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+  return op.call(x, weight, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), "");
 }
 
 }  // namespace pdserve_cpu

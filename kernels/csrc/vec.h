@@ -29,6 +29,19 @@ inline v8 load8(const c10::BFloat16* p) {  // bfloat16 is the top half of a floa
   std::memcpy(&r, &w, sizeof r);
   return r;
 }
+// Stores, rounding to bfloat16 the way c10::BFloat16 does (to nearest, ties to even; NaN stays a
+// quiet NaN), eight at a time: the scalar conversion branches on NaN per element and does not
+// vectorise, which made a bfloat16 SiLU-mul of a 256-token prefill 15x slower than its float32 one.
+inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
+inline void store8(c10::BFloat16* p, v8 v) {
+  u32x8 bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const u32x8 nan = (u32x8)(v != v);
+  const u32x8 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const u16x8 h = __builtin_convertvector((rounded & ~nan) | (0x7FC0u & nan), u16x8);
+  std::memcpy(p, &h, sizeof h);
+}
+
 inline float hsum(v8 a) {
   float s = 0.f;
   for (int i = 0; i < 8; ++i) s += a[i];

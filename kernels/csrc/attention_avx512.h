@@ -1,0 +1,137 @@
+// The two inner loops of paged decode attention (cpu_attention.cpp) in 512-bit vectors, for CPUs
+// with AVX-512; the 8-wide loops stay the path elsewhere and for head sizes these do not take.
+//
+// Scores. The 8-wide loop summed each (position, head) dot product horizontally, about as many
+// instructions as the multiplies themselves. Here 16 positions are scored together: each
+// position's products stay a 16-lane partial vector, and one transpose-and-add tree (45
+// shuffles and adds) turns the 16 partial vectors into one vector of 16 scores. With bfloat16
+// and AVX512-BF16 the products are `vdpbf16ps` (two bfloat16 products per lane, summed in
+// float32): q and k are bfloat16 already, so the sum is exact up to float32 accumulation, and
+// the scale is applied to the finished scores.
+//
+// Weighted sum. Each value row is widened once to float32 and accumulated into G heads x
+// (d / 16) vector accumulators with 512-bit FMAs.
+
+#pragma once
+
+#if defined(__AVX512F__)
+
+#include <immintrin.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace avx512 {
+
+constexpr int64_t kLanes = 16;
+
+// r[j] = sum of the lanes of t[j], for j < 16. The tree leaves score j in lane 4 (j % 4) + j / 4,
+// which the last permute puts back in order.
+inline __m512 sum_lanes16(__m512* t) {
+  __m512 u[8], v[4], w[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit blocks: [t2i 0+2, t2i 1+3, t2i+1 0+2, t2i+1 1+3]
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // block k holds four partial sums of t[4i + k]
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // block k: two partial sums of t[8i + k], then two of t[8i + 4 + k]
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_ps(v[2 * i], v[2 * i + 1], 0xEE));
+  // block k: t[k], t[k + 4], t[k + 8], t[k + 12]
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// One key row against the G query rows of a group, as G partial vectors (sum their lanes for the
+// dot products). The float path multiplies float32 q (scaled) with the row widened to float32.
+template <int G, typename T>
+struct WideDot {
+  const float* q;  // [G, d] float32, already scaled
+  int64_t d;
+  inline void operator()(const T* k, __m512* out) const {
+    for (int g = 0; g < G; ++g) out[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += kLanes) {
+      const __m512 x = load16(k + c);
+      for (int g = 0; g < G; ++g) out[g] = _mm512_fmadd_ps(load16(q + g * d + c), x, out[g]);
+    }
+  }
+};
+
+#if defined(__AVX512BF16__)
+// bfloat16 q (unscaled) against a bfloat16 key row, 32 products per instruction. Needs d % 32 == 0.
+template <int G>
+struct Bf16Dot {
+  const c10::BFloat16* q;  // [G, d] bfloat16, unscaled
+  int64_t d;
+  inline void operator()(const c10::BFloat16* k, __m512* out) const {
+    for (int g = 0; g < G; ++g) out[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += 2 * kLanes) {
+      const __m512bh x = (__m512bh)_mm512_loadu_si512(k + c);
+      for (int g = 0; g < G; ++g) out[g] = _mm512_dpbf16_ps(out[g], (__m512bh)_mm512_loadu_si512(q + g * d + c), x);
+    }
+  }
+};
+#endif
+
+// scores[g * ctx + pos] = scale * (q[g] . k[pos]) for every position, 16 positions at a time.
+template <int G, typename T, typename Dot>
+void scores(const Dot& dot, const T* kp, const int64_t* rows, int64_t ctx, float scale, float* scores) {
+  __m512 partial[G][kLanes];
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t pos0 = 0; pos0 < ctx; pos0 += kLanes) {
+    const int64_t n = ctx - pos0 < kLanes ? ctx - pos0 : kLanes;
+    for (int64_t j = 0; j < n; ++j) {
+      if (pos0 + j + 8 < ctx) {  // rows of another block are not where the hardware prefetcher looks
+        const char* ahead = reinterpret_cast<const char*>(kp + rows[pos0 + j + 8]);
+        for (int64_t b = 0; b < dot.d * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+      }
+      __m512 out[G];
+      dot(kp + rows[pos0 + j], out);
+      for (int g = 0; g < G; ++g) partial[g][j] = out[g];
+    }
+    for (int g = 0; g < G; ++g) {
+      for (int64_t j = n; j < kLanes; ++j) partial[g][j] = _mm512_setzero_ps();
+      const __m512 s = _mm512_mul_ps(sum_lanes16(partial[g]), vscale);
+      _mm512_mask_storeu_ps(scores + g * ctx + pos0, static_cast<__mmask16>((1u << n) - 1u), s);
+    }
+  }
+}
+
+// out[g * d + c] = sum over pos of p[g * ctx + pos] * v[pos][c]: the accumulators of NC 16-float
+// chunks of every head stay in registers across the positions. Needs d % (16 NC) == 0.
+template <int G, int NC, typename T>
+void weighted_sum(const float* p, const T* vp, const int64_t* rows, int64_t ctx, int64_t d, float* out) {
+  for (int64_t c = 0; c < d; c += kLanes * NC) {
+    __m512 acc[G][NC];
+    for (int g = 0; g < G; ++g)
+      for (int k = 0; k < NC; ++k) acc[g][k] = _mm512_setzero_ps();
+    for (int64_t pos = 0; pos < ctx; ++pos) {
+      const T* vrow = vp + rows[pos] + c;
+      if (pos + 8 < ctx) {
+        const char* ahead = reinterpret_cast<const char*>(vp + rows[pos + 8] + c);
+        for (int64_t b = 0; b < kLanes * NC * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+      }
+      __m512 x[NC];
+      for (int k = 0; k < NC; ++k) x[k] = load16(vrow + kLanes * k);
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(p[g * ctx + pos]);
+        for (int k = 0; k < NC; ++k) acc[g][k] = _mm512_fmadd_ps(w, x[k], acc[g][k]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int k = 0; k < NC; ++k) _mm512_storeu_ps(out + g * d + c + kLanes * k, acc[g][k]);
+  }
+}
+
+}  // namespace avx512
+
+#endif  // __AVX512F__
