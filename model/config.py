@@ -29,18 +29,28 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, float | int | str], ...] | None = None
 
 
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU has bfloat16 dot-product instructions (AVX512-BF16 or AMX-BF16): there a
-    bfloat16 matmul runs at about twice the float32 rate; elsewhere it is emulated and slower."""
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The instruction-set flags of this CPU (its first `flags` line), empty where unreadable."""
     try:
         with open(cpuinfo) as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return set()
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has bfloat16 dot-product instructions (AVX512-BF16 or AMX-BF16): there a
+    bfloat16 matmul runs at about twice the float32 rate; elsewhere it is emulated and slower."""
+    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_has_avx512(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has 512-bit vectors (AVX-512F), which oneDNN's matmuls use and pdserve's
+    8-wide panel kernel does not."""
+    return "avx512f" in cpu_flags(cpuinfo)
 
 
 def resolve_dtype(name: str, device: str, cpuinfo: str = "/proc/cpuinfo") -> str:

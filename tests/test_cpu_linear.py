@@ -116,8 +116,24 @@ def linears(engine):
     return [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
 
 
-def test_the_engine_runs_the_compiled_linear_by_default_and_each_choice_gives_the_same_tokens(tiny, monkeypatch):
-    default_engine, default = greedy(tiny, monkeypatch, None)
+@pytest.mark.parametrize("avx512", [False, True])
+def test_auto_runs_the_compiled_linear_on_avx2_and_onednn_on_avx512_in_float32(tiny, monkeypatch, avx512):
+    import pdserve.engine.runner as runner
+
+    monkeypatch.setattr(runner, "cpu_has_avx512", lambda: avx512)
+    engine, out = greedy(tiny, monkeypatch, None)
+    if avx512:
+        assert engine.runner.cpu_linear == "onednn"
+        assert all(m.packed is not None and m.panels is None for m in linears(engine))
+    else:
+        assert engine.runner.cpu_linear == "pdserve"
+        assert all(m.panels is not None and m.packed is None for m in linears(engine))
+    assert engine.runner.compiled_decode, "either packing runs decode steps through the compiled layer"
+    assert all(len(v) == 12 for v in out.values())
+
+
+def test_each_linear_choice_gives_the_same_tokens(tiny, monkeypatch):
+    default_engine, default = greedy(tiny, monkeypatch, "pdserve")
     onednn_engine, onednn = greedy(tiny, monkeypatch, "onednn")
     plain_engine, plain = greedy(tiny, monkeypatch, "mkl")
     assert default_engine.runner.cpu_linear == "pdserve"

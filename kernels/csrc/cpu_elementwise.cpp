@@ -65,7 +65,7 @@ void silu_mul_kernel(const at::Tensor& gate_up, at::Tensor& out) {
       for (; i + 8 <= inter; i += 8) {
         const v8 a = load8(g + i);
         const v8 e = exp_nonpositive(a < 0.f ? a : -a);  // exp(-|a|): never overflows
-        const v8 sig = a < 0.f ? e / (1.f + e) : 1.f / (1.f + e);
+        const v8 sig = (a < 0.f ? e : v8{} + 1.f) / (1.f + e);  // one division, not one per side
         store8(o + i, a * sig * load8(u + i));
       }
       for (; i < inter; ++i) {
