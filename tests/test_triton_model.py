@@ -39,6 +39,7 @@ def engines(tiny) -> dict[str, LLM]:
         name: LLM(
             loaded=tiny,
             device=DEVICE,
+            dtype="float32",  # an oracle comparison: `auto` would be bfloat16 on AMX/AVX512-BF16 CPUs
             attention_backend=name,
             policy="chunked",
             block_size=BLOCK,
