@@ -43,6 +43,7 @@ DEPLOY=(
 if [ "$BF16" = 1 ]; then
   DEPLOY+=(
     --deployment "mixed-bf16=pdserve up --colocated --policy mixed --dtype bfloat16 --port {port}"
+    --deployment "chunked-bf16=pdserve up --colocated --policy chunked --max-num-batched-tokens 512 --dtype bfloat16 --port {port}"
     --deployment "disaggregated-bf16=pdserve up --dtype bfloat16 --port {port}"
   )
 fi
