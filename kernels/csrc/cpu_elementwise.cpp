@@ -32,20 +32,20 @@ void rms_norm_kernel(const at::Tensor& x, const at::Tensor& w, double eps, at::T
   const T* xp = x.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const int64_t hv = h - h % 8;  // the part done eight at a time
+  const int64_t hv = h - h % 16;  // the part done sixteen at a time
   at::parallel_for(0, rows, row_grain(h), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = xp + r * xs;
-      v8 vss = {};
-      for (int64_t i = 0; i < hv; i += 8) {
-        const v8 a = load8(row + i);
+      v16 vss = {};
+      for (int64_t i = 0; i < hv; i += 16) {
+        const v16 a = load16(row + i);
         vss += a * a;
       }
       float ss = hsum(vss);
       for (int64_t i = hv; i < h; ++i) ss += load(row, i) * load(row, i);
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
       T* o = op + r * h;
-      for (int64_t i = 0; i < hv; i += 8) store8(o + i, load8(wp + i) * (load8(row + i) * inv));
+      for (int64_t i = 0; i < hv; i += 16) store16(o + i, load16(wp + i) * (load16(row + i) * inv));
       for (int64_t i = hv; i < h; ++i) store(o, i, load(wp, i) * (load(row, i) * inv));
     }
   });
@@ -62,11 +62,11 @@ void silu_mul_kernel(const at::Tensor& gate_up, at::Tensor& out) {
       const T* u = g + inter;
       T* o = op + r * inter;
       int64_t i = 0;
-      for (; i + 8 <= inter; i += 8) {
-        const v8 a = load8(g + i);
-        const v8 e = exp_nonpositive(a < 0.f ? a : -a);  // exp(-|a|): never overflows
-        const v8 sig = (a < 0.f ? e : v8{} + 1.f) / (1.f + e);  // one division, not one per side
-        store8(o + i, a * sig * load8(u + i));
+      for (; i + 16 <= inter; i += 16) {
+        const v16 a = load16(g + i);
+        const v16 e = exp_nonpositive(a < 0.f ? a : -a);  // exp(-|a|): never overflows
+        const v16 sig = (a < 0.f ? e : v16{} + 1.f) * reciprocal(1.f + e);
+        store16(o + i, a * sig * load16(u + i));
       }
       for (; i < inter; ++i) {
         const float a = load(g, i);
@@ -81,7 +81,7 @@ template <typename T>
 void rotary_kernel(at::Tensor& x, const int64_t* pos, const float* cos, const float* sin, int64_t table_stride) {
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
   const int64_t xs = x.stride(0), hs = x.stride(1);
-  const int64_t hv = half - half % 8;
+  const int64_t hv = half - half % 16;
   T* xp = x.data_ptr<T>();
   at::parallel_for(0, tokens, row_grain(heads * d), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -89,10 +89,10 @@ void rotary_kernel(at::Tensor& x, const int64_t* pos, const float* cos, const fl
       const float* s = sin + pos[t] * table_stride;
       for (int64_t h = 0; h < heads; ++h) {
         T* v = xp + t * xs + h * hs;
-        for (int64_t i = 0; i < hv; i += 8) {
-          const v8 x1 = load8(v + i), x2 = load8(v + i + half), cv = load8(c + i), sv = load8(s + i);
-          store8(v + i, x1 * cv - x2 * sv);
-          store8(v + i + half, x2 * cv + x1 * sv);
+        for (int64_t i = 0; i < hv; i += 16) {
+          const v16 x1 = load16(v + i), x2 = load16(v + i + half), cv = load16(c + i), sv = load16(s + i);
+          store16(v + i, x1 * cv - x2 * sv);
+          store16(v + i + half, x2 * cv + x1 * sv);
         }
         for (int64_t i = hv; i < half; ++i) {
           const float x1 = load(v, i), x2 = load(v, i + half);
