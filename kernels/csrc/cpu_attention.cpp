@@ -228,44 +228,50 @@ bool by_group(int64_t group, F&& f) {
   }
 }
 
-// The 512-bit loops (attention_avx512.h) where the CPU has AVX-512 and the head size is a multiple
-// of 16; false where they do not apply and the 8-wide loops run. q_raw holds the group's G query
-// rows as they came, qf the same rows in float32, scaled.
-template <typename T>
-bool scores_wide(const T* q_raw, const float* qf, const T* kp, const int64_t* rows, int64_t ctx, const Geometry& geo,
-                 float scale, float* scores) {
+// Whether the 512-bit loops (attention_avx512.h) run: a CPU with AVX-512, a head size that is a
+// multiple of 16, a group of at most 8 and every KV head's row of a slot side by side.
+inline bool wide_applies(const Geometry& geo) {
 #if defined(__AVX512F__)
-  if (geo.d % avx512::kLanes != 0) return false;
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (geo.d % (2 * avx512::kLanes) == 0)
-      return by_group(geo.group, [&](auto g) {
-        avx512::scores<decltype(g)::value>(avx512::Bf16Dot<decltype(g)::value>{q_raw, geo.d}, kp, rows, ctx, scale, scores);
-      });
-  }
-#endif
-  return by_group(geo.group, [&](auto g) {
-    avx512::scores<decltype(g)::value>(avx512::WideDot<decltype(g)::value, T>{qf, geo.d}, kp, rows, ctx, 1.f, scores);
-  });
+  return geo.d % 16 == 0 && geo.group >= 1 && geo.group <= 8 && geo.c_sh == geo.d;
 #else
-  (void)q_raw, (void)qf, (void)kp, (void)rows, (void)ctx, (void)geo, (void)scale, (void)scores;
+  (void)geo;
   return false;
 #endif
 }
 
+// The 512-bit loops over `heads` KV heads of one sequence (wide_applies must hold). q_raw holds
+// their query rows as they came, qf the same rows in float32, scaled.
 template <typename T>
-bool weighted_sum_wide(const float* p, const T* vp, const int64_t* rows, int64_t ctx, const Geometry& geo, float* out) {
+void attend_wide(const T* q_raw, const float* qf, const T* kp, const T* vp, const int64_t* rows, int64_t ctx,
+                 int64_t heads, const Geometry& geo, float scale, float* scores, float* out) {
 #if defined(__AVX512F__)
-  if (geo.d % avx512::kLanes != 0) return false;
-  return by_group(geo.group, [&](auto g) {
+  bool scored = false;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (geo.d % 32 == 0) {
+      by_group(geo.group, [&](auto g) {
+        constexpr int G = decltype(g)::value;
+        avx512::scores<G>(avx512::Bf16Dot<G>{q_raw, geo.d}, kp, rows, ctx, heads, scale, scores);
+      });
+      scored = true;
+    }
+  }
+#endif
+  if (!scored)
+    by_group(geo.group, [&](auto g) {
+      constexpr int G = decltype(g)::value;
+      avx512::scores<G>(avx512::WideDot<G, T>{qf, geo.d}, kp, rows, ctx, heads, 1.f, scores);
+    });
+  for (int64_t r = 0; r < heads * geo.group; ++r) softmax(scores + r * ctx, ctx);
+  by_group(geo.group, [&](auto g) {
     constexpr int G = decltype(g)::value;
     constexpr int NC = G <= 4 ? 4 : 2;  // at most 16 accumulators
-    if (geo.d % (avx512::kLanes * NC) == 0) return avx512::weighted_sum<G, NC>(p, vp, rows, ctx, geo.d, out);
-    avx512::weighted_sum<G, 1>(p, vp, rows, ctx, geo.d, out);
+    if (geo.d % (16 * NC) == 0) return avx512::weighted_sum<G, NC>(scores, vp, rows, ctx, geo.d, heads, out);
+    avx512::weighted_sum<G, 1>(scores, vp, rows, ctx, geo.d, heads, out);
   });
 #else
-  (void)p, (void)vp, (void)rows, (void)ctx, (void)geo, (void)out;
-  return false;
+  (void)q_raw, (void)qf, (void)kp, (void)vp, (void)rows, (void)ctx, (void)heads, (void)geo, (void)scale;
+  (void)scores, (void)out;
 #endif
 }
 
@@ -286,35 +292,42 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   const int32_t* table = block_tables.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
+  // A work item is one KV head of one sequence, or, on the 512-bit path with enough sequences to
+  // keep every thread busy, all of a sequence's KV heads: then each tile of positions reads whole
+  // slots.
+  const bool wide = wide_applies(geo);
+  const int64_t heads = wide && batch >= 4 * at::get_num_threads() ? hkv : 1;
+  const int64_t per_seq = hkv / heads;
 
-  at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * d), acc(group * d), scores;
-    std::vector<T> q_raw(group * d);
+  at::parallel_for(0, batch * per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(heads * group * d), acc(heads * group * d), scores;
+    std::vector<T> q_raw(heads * group * d);
     std::vector<int64_t> rows;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / hkv, h = item % hkv;
-      const int64_t ctx = lens[b];
-      T* o = op + b * hq * d + h * group * d;  // out is contiguous
+      const int64_t b = item / per_seq, h0 = (item % per_seq) * heads;
+      const int64_t ctx = lens[b], width = heads * group * d;
+      T* o = op + b * hq * d + h0 * group * d;  // out is contiguous
       if (ctx <= 0) {
-        std::fill(o, o + group * d, from_float<T>(0.f));
+        std::fill(o, o + width, from_float<T>(0.f));
         continue;
       }
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = qp + b * q_sb + (h * group + g) * q_sh;
-        std::copy(src, src + d, q_raw.data() + g * d);
-        for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_float(src[i]) * fscale;
+      for (int64_t r = 0; r < heads * group; ++r) {
+        const T* src = qp + b * q_sb + (h0 * group + r) * q_sh;
+        std::copy(src, src + d, q_raw.data() + r * d);
+        for (int64_t i = 0; i < d; ++i) qf[r * d + i] = to_float(src[i]) * fscale;
       }
-      scores.resize(group * ctx);
-      const int32_t* blocks = table + b * t_sb;
-      row_offsets(blocks, h, ctx, geo, rows);
-      if (!scores_wide(q_raw.data(), qf.data(), kp, rows.data(), ctx, geo, fscale, scores.data()))
+      scores.resize(heads * group * ctx);
+      row_offsets(table + b * t_sb, h0, ctx, geo, rows);
+      if (wide) {
+        attend_wide(q_raw.data(), qf.data(), kp, vp, rows.data(), ctx, heads, geo, fscale, scores.data(), acc.data());
+      } else {
         scores_dispatch(qf.data(), kp, rows.data(), ctx, geo, scores.data());
-      for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * ctx, ctx);
-      if (!weighted_sum_wide(scores.data(), vp, rows.data(), ctx, geo, acc.data()))
+        for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * ctx, ctx);
         weighted_sum_dispatch(scores.data(), vp, rows.data(), ctx, geo, acc.data());
+      }
       int64_t i = 0;
-      for (; i + 8 <= group * d; i += 8) store8(o + i, load8(acc.data() + i));
-      for (; i < group * d; ++i) o[i] = from_float<T>(acc[i]);
+      for (; i + 8 <= width; i += 8) store8(o + i, load8(acc.data() + i));
+      for (; i < width; ++i) o[i] = from_float<T>(acc[i]);
     }
   });
 }
