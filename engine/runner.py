@@ -14,6 +14,7 @@ import os
 import torch
 
 from pdserve.config.engine import EngineConfig
+from pdserve.engine.host_memory import keep_step_memory
 from pdserve.engine.kv_cache import BlockIds, gather_blocks, scatter_blocks
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SampleResult
@@ -35,6 +36,8 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, state_dict, max_model_len: int, num_blocks: int) -> None:
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_step_memory()
         self.dtype = torch_dtype(resolve_dtype(config.dtype, config.device))
         self.block_size = config.block_size
         self.backend = get_backend(self.device, config.attention_backend)
