@@ -28,6 +28,8 @@ from tests.test_router_links import ScriptedRouter
 
 pytestmark = pytest.mark.timeout(120)
 
+STREAM_TOKENS = 1500
+
 
 # --- a decode worker between two scripted routers --------------------------------------------
 
@@ -153,9 +155,11 @@ def test_two_routers_serve_one_pool_and_killing_one_leaves_the_others_streams_wh
             r = httpx.post(url + "/v1/completions", timeout=30, json={"model": model, "prompt": "Hi", "max_tokens": 4})
             assert r.status_code == 200 and r.json()["choices"][0]["text"], url
         pool = ThreadPoolExecutor(4)
-        survivors = [pool.submit(_stream, url_b, model, 300) for _ in range(2)]
+        # Long enough to outlast the fence (about 1.5 s after the kill) on a fast CPU: 300 tokens
+        # of the tiny model once finished before it on a Sapphire Rapids.
+        survivors = [pool.submit(_stream, url_b, model, STREAM_TOKENS) for _ in range(2)]
         for _ in range(2):
-            pool.submit(_stream_broken, url_a, model, 300)
+            pool.submit(_stream_broken, url_a, model, STREAM_TOKENS)
         deadline = time.monotonic() + 30
         while cluster.info("decode-0")["running"] < 4 and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -178,7 +182,7 @@ def test_two_routers_serve_one_pool_and_killing_one_leaves_the_others_streams_wh
         for f in survivors:
             out = f.result(timeout=60)
             assert out["error"] is None and out["finish_reason"] == "length", out
-            assert out["usage"]["completion_tokens"] == 300, out
+            assert out["usage"]["completion_tokens"] == STREAM_TOKENS, out
         pool.shutdown(wait=True)
         infos = cluster.wait_idle(timeout=5)
         assert all(i["running"] == 0 and i["used_blocks"] == 0 for i in infos.values()), infos
