@@ -279,30 +279,40 @@ def test_compiled_store_kv_refuses_a_slot_outside_the_cache_and_writes_nothing(b
     assert not k_cache.any() and not v_cache.any()
 
 
-@pytest.mark.parametrize("linear", ["pdserve", "onednn"])
-def test_a_compiled_decoder_layer_step_writes_the_cache_and_tokens_the_pytorch_layers_do(tiny, monkeypatch, linear):
-    """Two engines in lockstep, one running decode steps through decoder_layer_ and one through
-    the PyTorch layers: same greedy tokens, and the KV caches agree to float32 rounding. The
-    layer takes the projections packed either way: our panels or oneDNN's layout."""
+def lockstep_compiled_and_pytorch_layers(tiny, dtype: str, max_tokens: int):
+    """Two engines fed the same three prompts (different lengths: the decode batch reads different
+    block counts), one running decode steps through decoder_layer_, one through the PyTorch
+    layers. Returns the engines and each one's greedy tokens per request."""
     from pdserve.config.engine import EngineConfig
     from pdserve.engine.engine import Engine
-    from pdserve.model.llama import CPU_LINEAR_ENV
     from pdserve.protocol.sampling import SamplingParams
 
-    monkeypatch.delenv("PDSERVE_CPU_FUSED", raising=False)
-    monkeypatch.setenv(CPU_LINEAR_ENV, linear)
-    engines = [Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32"), loaded=tiny) for _ in range(2)]
-    assert all(e.runner.compiled_decode and e.runner.cpu_linear == linear for e in engines)
+    engines = [Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype=dtype), loaded=tiny) for _ in range(2)]
+    assert all(e.runner.compiled_decode for e in engines)
     for layer in engines[1].runner.model.model.layers:
         layer.compiled = None
     outs: list[dict[str, list[int]]] = [{}, {}]
     for engine, out in zip(engines, outs, strict=True):
-        for i in range(3):  # different lengths: the decode batch reads different block counts
-            engine.add_request(f"r{i}", list(range(5 + i, 5 + 9 * (i + 1))), SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
+        for i in range(3):
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            engine.add_request(f"r{i}", list(range(5 + i, 5 + 9 * (i + 1))), params)
         while engine.scheduler.running or engine.scheduler.waiting:
             for o in engine.step():
                 out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    assert all(len(v) == 9 for v in outs[0].values())
+    assert all(len(v) == max_tokens for v in outs[0].values())
+    return engines, outs
+
+
+@pytest.mark.parametrize("linear", ["pdserve", "onednn"])
+def test_a_compiled_decoder_layer_step_writes_the_cache_and_tokens_the_pytorch_layers_do(tiny, monkeypatch, linear):
+    """Same greedy tokens, and the KV caches agree to float32 rounding. The layer takes the
+    projections packed either way: our panels or oneDNN's layout."""
+    from pdserve.model.llama import CPU_LINEAR_ENV
+
+    monkeypatch.delenv("PDSERVE_CPU_FUSED", raising=False)
+    monkeypatch.setenv(CPU_LINEAR_ENV, linear)
+    engines, outs = lockstep_compiled_and_pytorch_layers(tiny, "float32", max_tokens=9)
+    assert all(e.runner.cpu_linear == linear for e in engines)
     assert outs[0] == outs[1]
     torch.testing.assert_close(engines[0].runner.kv_cache, engines[1].runner.kv_cache, atol=1e-4, rtol=1e-4)
 
@@ -315,29 +325,15 @@ def test_a_compiled_decoder_layer_refuses_a_step_with_a_prefill(backend):
 
 
 def test_a_bfloat16_compiled_decoder_layer_matches_the_pytorch_layers(tiny, monkeypatch):
-    """bfloat16 with the linear `auto` picks on this CPU (oneDNN where it has AMX or AVX512-BF16,
-    our panels elsewhere): decode steps through decoder_layer_ give the tokens and the KV cache
-    the PyTorch layers give, op for op."""
-    from pdserve.config.engine import EngineConfig
-    from pdserve.engine.engine import Engine
+    """bfloat16 with the linear `auto` picks on this CPU (oneDNN where oneDNN computes bfloat16,
+    our panels elsewhere): the same tokens and KV cache as the PyTorch layers, op for op."""
     from pdserve.model.llama import CPU_LINEAR_ENV, onednn_linear_available
-    from pdserve.protocol.sampling import SamplingParams
 
     monkeypatch.delenv("PDSERVE_CPU_FUSED", raising=False)
     monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
-    engines = [Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="bfloat16"), loaded=tiny) for _ in range(2)]
+    engines, outs = lockstep_compiled_and_pytorch_layers(tiny, "bfloat16", max_tokens=6)
     picked = "onednn" if onednn_linear_available(torch.bfloat16) else "pdserve"
-    assert all(e.runner.compiled_decode and e.runner.cpu_linear == picked for e in engines)
-    for layer in engines[1].runner.model.model.layers:
-        layer.compiled = None
-    outs: list[dict[str, list[int]]] = [{}, {}]
-    for engine, out in zip(engines, outs, strict=True):
-        for i in range(3):
-            engine.add_request(f"r{i}", list(range(5 + i, 5 + 9 * (i + 1))), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-        while engine.scheduler.running or engine.scheduler.waiting:
-            for o in engine.step():
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    assert all(len(v) == 6 for v in outs[0].values())
+    assert all(e.runner.cpu_linear == picked for e in engines)
     assert outs[0] == outs[1]
     torch.testing.assert_close(engines[0].runner.kv_cache, engines[1].runner.kv_cache, atol=0, rtol=0)
 

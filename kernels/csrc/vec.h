@@ -20,37 +20,49 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
-inline v8 load8(const float* p) {
-  v8 r;
-  std::memcpy(&r, p, sizeof r);
-  return r;
-}
-inline v8 load8(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
-  u16x8 h;
+// bfloat16 is the top half of a float32: widening is a shift; narrowing rounds the way
+// c10::BFloat16 does (to nearest, ties to even; NaN stays a quiet NaN), a vector at a time. The
+// scalar conversion branches on NaN per element and does not vectorise, which made a bfloat16
+// SiLU-mul of a 256-token prefill 15x slower than its float32 one. V is a float vector, U16 and
+// U32 the unsigned vectors of as many lanes.
+template <typename V, typename U16, typename U32>
+inline V widen_bf16(const c10::BFloat16* p) {
+  U16 h;
   std::memcpy(&h, p, sizeof h);
-  u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-  v8 r;
+  const U32 w = __builtin_convertvector(h, U32) << 16;
+  V r;
   std::memcpy(&r, &w, sizeof r);
   return r;
 }
-// Stores, rounding to bfloat16 the way c10::BFloat16 does (to nearest, ties to even; NaN stays a
-// quiet NaN), eight at a time: the scalar conversion branches on NaN per element and does not
-// vectorise, which made a bfloat16 SiLU-mul of a 256-token prefill 15x slower than its float32 one.
-inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
-inline void store8(c10::BFloat16* p, v8 v) {
-  u32x8 bits;
+template <typename V, typename U16, typename U32>
+inline void narrow_bf16(c10::BFloat16* p, V v) {
+  U32 bits;
   std::memcpy(&bits, &v, sizeof bits);
-  const u32x8 nan = (u32x8)(v != v);
-  const u32x8 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const u16x8 h = __builtin_convertvector((rounded & ~nan) | (0x7FC0u & nan), u16x8);
+  const U32 nan = (U32)(v != v);
+  const U32 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const U16 h = __builtin_convertvector((rounded & ~nan) | (0x7FC0u & nan), U16);
   std::memcpy(p, &h, sizeof h);
 }
 
-inline float hsum(v8 a) {
+template <typename V>
+inline V load_floats(const float* p) {
+  V r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+// The sum of a vector's lanes.
+template <typename V>
+inline float hsum(V a) {
   float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += a[i];
+  for (int i = 0; i < static_cast<int>(sizeof(V) / sizeof(float)); ++i) s += a[i];
   return s;
 }
+
+inline v8 load8(const float* p) { return load_floats<v8>(p); }
+inline v8 load8(const c10::BFloat16* p) { return widen_bf16<v8, u16x8, u32x8>(p); }
+inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
+inline void store8(c10::BFloat16* p, v8 v) { narrow_bf16<v8, u16x8, u32x8>(p, v); }
+
 
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 
@@ -93,33 +105,10 @@ inline v16 reciprocal(v16 x) {
 #endif
 }
 
-inline v16 load16(const float* p) {
-  v16 r;
-  std::memcpy(&r, p, sizeof r);
-  return r;
-}
-inline v16 load16(const c10::BFloat16* p) {
-  u16x16 h;
-  std::memcpy(&h, p, sizeof h);
-  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  v16 r;
-  std::memcpy(&r, &w, sizeof r);
-  return r;
-}
+inline v16 load16(const float* p) { return load_floats<v16>(p); }
+inline v16 load16(const c10::BFloat16* p) { return widen_bf16<v16, u16x16, u32x16>(p); }
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-inline void store16(c10::BFloat16* p, v16 v) {  // rounded as store8 rounds
-  u32x16 bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  const u32x16 nan = (u32x16)(v != v);
-  const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const u16x16 h = __builtin_convertvector((rounded & ~nan) | (0x7FC0u & nan), u16x16);
-  std::memcpy(p, &h, sizeof h);
-}
-inline float hsum(v16 a) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += a[i];
-  return s;
-}
+inline void store16(c10::BFloat16* p, v16 v) { narrow_bf16<v16, u16x16, u32x16>(p, v); }
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
