@@ -76,8 +76,8 @@ class ModelRunner:
             raise ValueError(f"{CPU_LINEAR_ENV}={choice!r}: expected one of {', '.join(CPU_LINEAR_CHOICES)}")
         onednn = onednn_linear_available(self.dtype)
         if choice == "auto":
-            wide = self.dtype == torch.bfloat16 or cpu_has_avx512()
-            choice = "onednn" if (onednn and wide) or self.compiled_ops is None else "pdserve"
+            prefer_onednn = self.dtype == torch.bfloat16 or cpu_has_avx512()
+            choice = "onednn" if (onednn and prefer_onednn) or self.compiled_ops is None else "pdserve"
         if choice == "pdserve" and self.compiled_ops is not None:
             self.model.pack_cpu_linears(self.compiled_ops)
             return "pdserve"

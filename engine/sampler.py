@@ -51,15 +51,16 @@ class Sampler:
         logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
         errors = self._mask_grammar(logits, requests)
 
-        tokens = torch.empty(len(requests), dtype=torch.long)
         greedy = [i for i, r in enumerate(requests) if r.sampling.greedy]
         # max(dim).indices, not argmax: the same first maximum, 2.5x faster on the CPU (0.8 against
         # 2.1 ms over 64 x 49,152 logits); and no row gather when every row is greedy.
         if len(greedy) == len(requests):
             tokens = logits.max(dim=-1).indices
-        elif greedy:
-            idx = torch.tensor(greedy)
-            tokens[idx] = logits[idx].max(dim=-1).indices
+        else:
+            tokens = torch.empty(len(requests), dtype=torch.long)
+            if greedy:
+                idx = torch.tensor(greedy)
+                tokens[idx] = logits[idx].max(dim=-1).indices
         for i, req in enumerate(requests):
             if not req.sampling.greedy and i not in errors:
                 tokens[i] = self._draw(logits[i], req)

@@ -165,53 +165,6 @@ void scores_any(const float* qf, const T* kp, const int64_t* rows, int64_t ctx, 
   }
 }
 
-template <typename T>
-void scores_dispatch(const float* qf, const T* kp, const int64_t* rows, int64_t ctx, const Geometry& geo,
-                     float* scores) {
-  if (geo.d % 8 == 0) {
-    switch (geo.group) {
-      case 1: return scores_vec<1>(qf, kp, rows, ctx, geo, scores);
-      case 2: return scores_vec<2>(qf, kp, rows, ctx, geo, scores);
-      case 3: return scores_vec<3>(qf, kp, rows, ctx, geo, scores);
-      case 4: return scores_vec<4>(qf, kp, rows, ctx, geo, scores);
-      case 5: return scores_vec<5>(qf, kp, rows, ctx, geo, scores);
-      case 6: return scores_vec<6>(qf, kp, rows, ctx, geo, scores);
-      case 7: return scores_vec<7>(qf, kp, rows, ctx, geo, scores);
-      case 8: return scores_vec<8>(qf, kp, rows, ctx, geo, scores);
-      default: break;
-    }
-  }
-  scores_any(qf, kp, rows, ctx, geo, scores);
-}
-
-template <typename T>
-void weighted_sum_any(const float* p, const T* vp, const int64_t* rows, int64_t ctx, const Geometry& geo, float* out) {
-  std::fill(out, out + geo.group * geo.d, 0.f);
-  for (int64_t pos = 0; pos < ctx; ++pos) {
-    const T* vrow = vp + rows[pos];
-    for (int64_t g = 0; g < geo.group; ++g) axpy(out + g * geo.d, p[g * ctx + pos], vrow, geo.d);
-  }
-}
-
-template <typename T>
-void weighted_sum_dispatch(const float* p, const T* vp, const int64_t* rows, int64_t ctx, const Geometry& geo,
-                           float* out) {
-  if (geo.d % 8 == 0) {
-    switch (geo.group) {
-      case 1: return weighted_sum_g<1>(p, vp, rows, ctx, geo.d, out);
-      case 2: return weighted_sum_g<2>(p, vp, rows, ctx, geo.d, out);
-      case 3: return weighted_sum_g<3>(p, vp, rows, ctx, geo.d, out);
-      case 4: return weighted_sum_g<4>(p, vp, rows, ctx, geo.d, out);
-      case 5: return weighted_sum_g<5>(p, vp, rows, ctx, geo.d, out);
-      case 6: return weighted_sum_g<6>(p, vp, rows, ctx, geo.d, out);
-      case 7: return weighted_sum_g<7>(p, vp, rows, ctx, geo.d, out);
-      case 8: return weighted_sum_g<8>(p, vp, rows, ctx, geo.d, out);
-      default: break;
-    }
-  }
-  weighted_sum_any(p, vp, rows, ctx, geo, out);
-}
-
 // f(std::integral_constant<int, G>) for a group size 1..8 known at compile time; false for others.
 template <typename F>
 bool by_group(int64_t group, F&& f) {
@@ -228,6 +181,33 @@ bool by_group(int64_t group, F&& f) {
   }
 }
 
+template <typename T>
+void scores_dispatch(const float* qf, const T* kp, const int64_t* rows, int64_t ctx, const Geometry& geo,
+                     float* scores) {
+  if (geo.d % 8 == 0 &&
+      by_group(geo.group, [&](auto g) { scores_vec<decltype(g)::value>(qf, kp, rows, ctx, geo, scores); }))
+    return;
+  scores_any(qf, kp, rows, ctx, geo, scores);
+}
+
+template <typename T>
+void weighted_sum_any(const float* p, const T* vp, const int64_t* rows, int64_t ctx, const Geometry& geo, float* out) {
+  std::fill(out, out + geo.group * geo.d, 0.f);
+  for (int64_t pos = 0; pos < ctx; ++pos) {
+    const T* vrow = vp + rows[pos];
+    for (int64_t g = 0; g < geo.group; ++g) axpy(out + g * geo.d, p[g * ctx + pos], vrow, geo.d);
+  }
+}
+
+template <typename T>
+void weighted_sum_dispatch(const float* p, const T* vp, const int64_t* rows, int64_t ctx, const Geometry& geo,
+                           float* out) {
+  if (geo.d % 8 == 0 &&
+      by_group(geo.group, [&](auto g) { weighted_sum_g<decltype(g)::value>(p, vp, rows, ctx, geo.d, out); }))
+    return;
+  weighted_sum_any(p, vp, rows, ctx, geo, out);
+}
+
 // Whether the 512-bit loops (attention_avx512.h) run: a CPU with AVX-512, a head size that is a
 // multiple of 16, a group of at most 8 and every KV head's row of a slot side by side.
 inline bool wide_applies(const Geometry& geo) {
@@ -239,25 +219,33 @@ inline bool wide_applies(const Geometry& geo) {
 #endif
 }
 
-// The 512-bit loops over `heads` KV heads of one sequence (wide_applies must hold). q_raw holds
-// their query rows as they came, qf the same rows in float32, scaled.
+// Whether the wide scores take q as it came, in bfloat16 (vdpbf16ps), instead of scaled float32.
+template <typename T>
+inline bool bf16_dots(const Geometry& geo) {
+#if defined(__AVX512BF16__)
+  return std::is_same_v<T, c10::BFloat16> && wide_applies(geo) && geo.d % 32 == 0;
+#else
+  (void)geo;
+  return false;
+#endif
+}
+
+// The 512-bit loops over `heads` KV heads of one sequence (wide_applies must hold). The query rows
+// come as they are in q_raw where bf16_dots holds, else in float32, scaled, in qf.
 template <typename T>
 void attend_wide(const T* q_raw, const float* qf, const T* kp, const T* vp, const int64_t* rows, int64_t ctx,
                  int64_t heads, const Geometry& geo, float scale, float* scores, float* out) {
 #if defined(__AVX512F__)
-  bool scored = false;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (geo.d % 32 == 0) {
+    if (bf16_dots<T>(geo))
       by_group(geo.group, [&](auto g) {
         constexpr int G = decltype(g)::value;
         avx512::scores<G>(avx512::Bf16Dot<G>{q_raw, geo.d}, kp, rows, ctx, heads, scale, scores);
       });
-      scored = true;
-    }
   }
 #endif
-  if (!scored)
+  if (!bf16_dots<T>(geo))
     by_group(geo.group, [&](auto g) {
       constexpr int G = decltype(g)::value;
       avx512::scores<G>(avx512::WideDot<G, T>{qf, geo.d}, kp, rows, ctx, heads, 1.f, scores);
@@ -298,6 +286,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   const bool wide = wide_applies(geo);
   const int64_t heads = wide && batch >= 4 * at::get_num_threads() ? hkv : 1;
   const int64_t per_seq = hkv / heads;
+  const bool raw_q = bf16_dots<T>(geo);
 
   at::parallel_for(0, batch * per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(heads * group * d), acc(heads * group * d), scores;
@@ -313,8 +302,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       }
       for (int64_t r = 0; r < heads * group; ++r) {
         const T* src = qp + b * q_sb + (h0 * group + r) * q_sh;
-        std::copy(src, src + d, q_raw.data() + r * d);
-        for (int64_t i = 0; i < d; ++i) qf[r * d + i] = to_float(src[i]) * fscale;
+        if (raw_q) {
+          std::copy(src, src + d, q_raw.data() + r * d);
+        } else {
+          for (int64_t i = 0; i < d; ++i) qf[r * d + i] = to_float(src[i]) * fscale;
+        }
       }
       scores.resize(heads * group * ctx);
       row_offsets(table + b * t_sb, h0, ctx, geo, rows);
