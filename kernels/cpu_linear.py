@@ -1,8 +1,11 @@
-"""The weight layout of the compiled CPU linear (kernels/csrc/cpu_linear.cpp).
+"""The weight layouts of the compiled CPU linears; `x @ W.T` on the plain weight is their oracle.
 
-W [N, K] is packed once, at load, into panels of 24 output columns, [ceil(N/24), K, 24], the last
-one zero-padded: each panel then streams front to back while the kernel multiplies it with a
-block of rows of x. `x @ W.T` on the plain weight is its oracle.
+- Panels (kernels/csrc/cpu_linear.cpp): W [N, K] packed once, at load, into panels of 24 output
+  columns, [ceil(N/24), K, 24], the last one zero-padded: each panel then streams front to back
+  while the kernel multiplies it with a block of rows of x. float32 and bfloat16.
+- AMX tiles (kernels/csrc/cpu_linear_tiles.cpp): bfloat16 W [N, K] packed into
+  [ceil(N/32), K/32, 2, 16, 32], the pair-interleaved "B" tiles TDPBF16PS reads, a group of 32
+  output columns' tiles in K order. K must be a multiple of 32.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import torch
 
 PANEL = 24
+TILE_GROUP = 32  # output columns per group of AMX tiles
+TILE_STEP = 32  # K per tile row (32 bfloat16 = 64 bytes)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -26,4 +31,38 @@ def linear(ops: object, x: torch.Tensor, panels: torch.Tensor, out_features: int
     if x.dim() == 2:
         return ops.linear(x, panels, out_features)  # type: ignore[attr-defined]
     flat = ops.linear(x.reshape(-1, x.shape[-1]), panels, out_features)  # type: ignore[attr-defined]
+    return flat.view(*x.shape[:-1], out_features)
+
+
+def amx_tiles_run(ops: object | None) -> bool:
+    """Whether the tile kernel runs on AMX here (compiled for it, and the OS granted the process
+    AMX's register state); elsewhere it runs a portable loop over the same layout, too slow to pick."""
+    return ops is not None and bool(ops.tile_linear_uses_amx())  # type: ignore[attr-defined]
+
+
+def tiles_fit(weight: torch.Tensor) -> bool:
+    """Whether the AMX tile kernel takes this weight: bfloat16 with K a multiple of 32."""
+    return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % TILE_STEP == 0
+
+
+def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """bfloat16 [N, K] (any strides) -> contiguous [ceil(N/32), K/32, 2, 16, 32] AMX tiles:
+    element [g, s, t, r, 2c + j] = W[32g + 16t + c, 32s + 2r + j], columns past N zero."""
+    if not tiles_fit(weight):
+        raise ValueError(f"AMX tiles take a bfloat16 [N, K] weight with K a multiple of {TILE_STEP}, "
+                         f"got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    groups = -(-n // TILE_GROUP)
+    padded = weight.new_zeros(groups * TILE_GROUP, k)
+    padded[:n] = weight
+    steps = k // TILE_STEP
+    tiles = padded.view(groups, 2, 16, steps, 16, 2).permute(0, 3, 1, 4, 2, 5)
+    return tiles.contiguous().view(groups, steps, 2, 16, 32)
+
+
+def tile_linear(ops: object, x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [..., K] -> [..., N] through the AMX tile kernel (bfloat16 CPU tensors)."""
+    if x.dim() == 2:
+        return ops.tile_linear(x, tiles, out_features)  # type: ignore[attr-defined]
+    flat = ops.tile_linear(x.reshape(-1, x.shape[-1]), tiles, out_features)  # type: ignore[attr-defined]
     return flat.view(*x.shape[:-1], out_features)

@@ -289,8 +289,7 @@ def lockstep_compiled_and_pytorch_layers(tiny, dtype: str, max_tokens: int):
 
     engines = [Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype=dtype), loaded=tiny) for _ in range(2)]
     assert all(e.runner.compiled_decode for e in engines)
-    for layer in engines[1].runner.model.model.layers:
-        layer.compiled = None
+    engines[1].runner.model.use_compiled_decode(None)
     outs: list[dict[str, list[int]]] = [{}, {}]
     for engine, out in zip(engines, outs, strict=True):
         for i in range(3):
@@ -325,14 +324,19 @@ def test_a_compiled_decoder_layer_refuses_a_step_with_a_prefill(backend):
 
 
 def test_a_bfloat16_compiled_decoder_layer_matches_the_pytorch_layers(tiny, monkeypatch):
-    """bfloat16 with the linear `auto` picks on this CPU (oneDNN where oneDNN computes bfloat16,
-    our panels elsewhere): the same tokens and KV cache as the PyTorch layers, op for op."""
+    """bfloat16 with the linear `auto` picks on this CPU (AMX tiles where AMX runs, oneDNN where
+    oneDNN computes bfloat16, our panels elsewhere): the same tokens and KV cache as the PyTorch
+    layers, op for op."""
+    from pdserve.kernels.cpu_linear import amx_tiles_run
     from pdserve.model.llama import CPU_LINEAR_ENV, onednn_linear_available
 
     monkeypatch.delenv("PDSERVE_CPU_FUSED", raising=False)
     monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
     engines, outs = lockstep_compiled_and_pytorch_layers(tiny, "bfloat16", max_tokens=6)
-    picked = "onednn" if onednn_linear_available(torch.bfloat16) else "pdserve"
+    if amx_tiles_run(engines[0].runner.compiled_ops):
+        picked = "amx"
+    else:
+        picked = "onednn" if onednn_linear_available(torch.bfloat16) else "pdserve"
     assert all(e.runner.cpu_linear == picked for e in engines)
     assert outs[0] == outs[1]
     torch.testing.assert_close(engines[0].runner.kv_cache, engines[1].runner.kv_cache, atol=0, rtol=0)

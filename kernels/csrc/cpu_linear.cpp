@@ -136,6 +136,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_fea
 
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_features) {
   if (weight.dim() == 3) return linear(x, weight, out_features);
+  if (weight.dim() == 5) return tile_linear(x, weight, out_features);
   // oneDNN's packed matmul, the op model/llama.py's Linear calls for this layout; on a CPU with
   // AMX or AVX512-BF16 its bfloat16 kernels use those units.
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) == out_features && weight.size(1) == x.size(1),

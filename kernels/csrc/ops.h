@@ -20,8 +20,12 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::
 
 // cpu_linear.cpp
 at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features);
-// x W^T for a weight packed either way (cpu_linear.cpp): 3-D panels go to `linear`, a 2-D
-// [N, K] weight in oneDNN's packed layout (model/llama.py Linear.pack_onednn) to oneDNN's matmul.
+// x W^T for a weight packed any of the three ways (cpu_linear.cpp): 3-D panels go to `linear`,
+// 5-D AMX tiles to `tile_linear`, a 2-D [N, K] weight in oneDNN's packed layout
+// (model/llama.py Linear.pack_onednn) to oneDNN's matmul.
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_features);
+
+// cpu_linear_tiles.cpp
+at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
 
 }  // namespace pdserve_cpu

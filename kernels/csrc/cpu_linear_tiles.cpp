@@ -1,0 +1,239 @@
+// y = x W^T in bfloat16 on AMX tiles, against a weight packed once into the tiles' own layout.
+//
+//   W [N, K]  ->  [G = ceil(N/32), K/32, 2, 16, 32]
+//
+// Element [g, kt, t, r, 2n + j] is W[32g + 16t + n, 32kt + 2r + j]: for each group of 32 output
+// columns and each step of 32 along K, two 1 KiB AMX "B" tiles (16 rows of 16 column pairs, the
+// pair-interleaved form TDPBF16PS reads) lie next to each other, and a group's steps follow each
+// other, so a thread's share of the weight streams from memory front to back in 2 KiB pieces.
+// Rows of x go in chunks of 32, as two "A" tiles of up to 16 rows loaded straight from x; four
+// float32 accumulator tiles hold the chunk's 32 x 32 outputs.
+//
+// Why: on a 2-core Sapphire Rapids oneDNN's bfloat16 matmuls read SmolLM2's weights at 15-20 GB/s
+// at decode sizes; these tiles read them at the rate a plain streaming loop reaches over the same
+// tensors (about 24 GB/s there). A decode step at batch 1-32 is bound by that read.
+//
+// Where the compiler offers no AMX (-march=native on a CPU without it) or the kernel refuses the
+// process AMX's register state, the same layout runs through a portable loop: slow, and never
+// chosen by the runner (`tile_linear_uses_amx`), but it keeps the layout and the chunking tested
+// on every machine against the oracle x @ W.T.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "ops.h"
+#include "vec.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define PDSERVE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;       // output columns per group: two B tiles of 16
+constexpr int64_t kStep = 32;        // K per step: one tile row of 32 bfloat16
+constexpr int64_t kStepElems = 1024;  // bfloat16 elements in one step of a group (2 tiles)
+constexpr int64_t kChunk = 32;       // rows of x per chunk: two A tiles of 16
+
+using bf16 = c10::BFloat16;
+
+// Round a chunk's float32 results into y, `cols` of the group's 32 columns.
+inline void write_rows(const float* acc, int rows, int64_t cols, bf16* y, int64_t ldy) {
+  for (int r = 0; r < rows; ++r) {
+    const float* a = acc + r * kGroup;
+    bf16* out = y + r * ldy;
+    if (cols == kGroup) {
+      store16(out, load16(a));
+      store16(out + 16, load16(a + 16));
+    } else {
+      for (int64_t c = 0; c < cols; ++c) out[c] = bf16(a[c]);
+    }
+  }
+}
+
+#if defined(PDSERVE_AMX)
+
+// Linux gives a process AMX's 8 KiB of register state only on request (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA); without it the first tile instruction faults.
+bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3 accumulate (2h + t: rows of half h, columns of B tile t), 4-5 hold x's two halves,
+// 6-7 the weight. A half with no rows keeps one row configured and is never used.
+void configure(int rows0, int rows1) {
+  TileConfig cfg;
+  const int half1 = std::max(rows1, 1);
+  const uint8_t rows[8] = {uint8_t(rows0), uint8_t(rows0), uint8_t(half1), uint8_t(half1),
+                           uint8_t(rows0), uint8_t(half1), 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = rows[t];
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// One chunk of rows (rows0 + rows1 <= 32) times one group, into acc [32, 32]. Prefetch: the
+// weight streams from DRAM only in a group's first chunk; 8 KiB ahead (4 steps) ran batch 1-32
+// 5-10% faster than the hardware prefetcher alone, 16 KiB ahead slower.
+template <bool Prefetch>
+void chunk_by_group(const bf16* x, int64_t ldx, int rows0, int rows1, const bf16* w, int64_t steps, float* acc) {
+  constexpr int64_t kAhead = 4 * kStepElems;
+  const int64_t stride = ldx * static_cast<int64_t>(sizeof(bf16));
+  _tile_zero(0);
+  _tile_zero(1);
+  if (rows1) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    const bf16* b = w + s * kStepElems;
+    if (Prefetch) {
+      for (int line = 0; line < 32; ++line) _mm_prefetch(reinterpret_cast<const char*>(b + kAhead + line * 32), _MM_HINT_T0);
+    }
+    _tile_loadd(4, x + s * kStep, stride);
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + kStepElems / 2, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (rows1) {
+      _tile_loadd(5, x + 16 * ldx + s * kStep, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, acc, kGroup * sizeof(float));
+  _tile_stored(1, acc + 16, kGroup * sizeof(float));
+  if (rows1) {
+    _tile_stored(2, acc + 16 * kGroup, kGroup * sizeof(float));
+    _tile_stored(3, acc + 16 * kGroup + 16, kGroup * sizeof(float));
+  }
+}
+
+void amx_kernel(const bf16* x, int64_t rows, int64_t ldx, const bf16* w, int64_t groups, int64_t steps, int64_t n,
+                bf16* y) {
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kChunk * kGroup];
+    int configured0 = -1, configured1 = -1;
+    for (int64_t g = begin; g < end; ++g) {
+      const bf16* wg = w + g * steps * kStepElems;
+      for (int64_t m0 = 0; m0 < rows; m0 += kChunk) {
+        const int chunk = static_cast<int>(std::min(kChunk, rows - m0));
+        const int rows0 = std::min(chunk, 16), rows1 = chunk - rows0;
+        if (rows0 != configured0 || rows1 != configured1) {  // the config is per thread, and oneDNN sets its own
+          configure(rows0, rows1);
+          configured0 = rows0;
+          configured1 = rows1;
+        }
+        if (m0 == 0) {
+          chunk_by_group<true>(x + m0 * ldx, ldx, rows0, rows1, wg, steps, acc);
+        } else {
+          chunk_by_group<false>(x + m0 * ldx, ldx, rows0, rows1, wg, steps, acc);
+        }
+        write_rows(acc, chunk, std::min(kGroup, n - g * kGroup), y + m0 * n + g * kGroup, n);
+      }
+    }
+    _tile_release();
+  });
+}
+
+#else
+
+bool amx_ready() { return false; }
+
+#endif
+
+// The same layout without tiles: what TDPBF16PS computes, one row of x at a time.
+void portable_kernel(const bf16* x, int64_t rows, int64_t ldx, const bf16* w, int64_t groups, int64_t steps, int64_t n,
+                     bf16* y) {
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kChunk * kGroup];
+    for (int64_t g = begin; g < end; ++g) {
+      const bf16* wg = w + g * steps * kStepElems;
+      for (int64_t m0 = 0; m0 < rows; m0 += kChunk) {
+        const int chunk = static_cast<int>(std::min(kChunk, rows - m0));
+        std::fill(acc, acc + kChunk * kGroup, 0.f);
+        for (int m = 0; m < chunk; ++m) {
+          const bf16* xr = x + (m0 + m) * ldx;
+          float* a = acc + m * kGroup;
+          for (int64_t s = 0; s < steps; ++s) {
+            for (int t = 0; t < 2; ++t) {
+              const bf16* b = wg + s * kStepElems + t * (kStepElems / 2);
+              for (int r = 0; r < 16; ++r) {
+                const float x0 = xr[s * kStep + 2 * r], x1 = xr[s * kStep + 2 * r + 1];
+                for (int c = 0; c < 16; ++c) a[16 * t + c] += x0 * float(b[r * 32 + 2 * c]) + x1 * float(b[r * 32 + 2 * c + 1]);
+              }
+            }
+          }
+        }
+        write_rows(acc, chunk, std::min(kGroup, n - g * kGroup), y + m0 * n + g * kGroup, n);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+namespace pdserve_cpu {
+
+bool tile_linear_uses_amx() { return amx_ready(); }
+
+at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "pdserve_cpu.tile_linear runs on CPU tensors");
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "pdserve_cpu.tile_linear computes bfloat16, got x ", x.scalar_type(), " and weight ", packed.scalar_type());
+  TORCH_CHECK(packed.dim() == 5 && packed.size(2) == 2 && packed.size(3) == 16 && packed.size(4) == 32 &&
+                  packed.is_contiguous(),
+              "the weight must be a contiguous [G, K/32, 2, 16, 32] (kernels/cpu_linear.py pack_tiles), got ",
+              packed.sizes());
+  TORCH_CHECK(x.size(1) == packed.size(1) * kStep, "x has ", x.size(1), " features, the weight takes ",
+              packed.size(1) * kStep);
+  TORCH_CHECK(out_features > (packed.size(0) - 1) * kGroup && out_features <= packed.size(0) * kGroup,
+              "out_features ", out_features, " does not fit ", packed.size(0), " groups of ", kGroup);
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return y;
+  const auto* xp = xc.data_ptr<bf16>();
+  const auto* wp = packed.data_ptr<bf16>();
+  auto* yp = y.data_ptr<bf16>();
+  const int64_t rows = xc.size(0), ldx = xc.stride(0), groups = packed.size(0), steps = packed.size(1);
+#if defined(PDSERVE_AMX)
+  if (amx_ready()) {
+    amx_kernel(xp, rows, ldx, wp, groups, steps, out_features, yp);
+    return y;
+  }
+#endif
+  portable_kernel(xp, rows, ldx, wp, groups, steps, out_features, yp);
+  return y;
+}
+
+}  // namespace pdserve_cpu
+
+TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def("tile_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("tile_linear_uses_amx() -> bool", &pdserve_cpu::tile_linear_uses_amx);
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("tile_linear", &pdserve_cpu::tile_linear); }

@@ -1,0 +1,147 @@
+"""The AMX tile linear (kernels/csrc/cpu_linear_tiles.cpp): the packed layout is the one TDPBF16PS
+reads; the kernel computes x @ W.T to bfloat16 rounding at every row count it chunks differently
+(one row, a partial A tile, a whole one, two, several chunks) and output widths that are not a
+multiple of its 32-column groups, on strided rows; bad inputs raise. On a CPU without AMX the same
+layout runs through the kernel's portable loop, so every check here runs on every machine; where
+AMX runs, the runner's `auto` takes it for bfloat16, and engines with it agree with the PyTorch
+layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pdserve.engine.runner as runner_module
+from pdserve.config.engine import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.kernels import cpu_linear, cpu_ops
+from pdserve.model.config import cpu_flags
+from pdserve.model.llama import CPU_LINEAR_ENV, Linear
+from pdserve.protocol.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def ops():
+    loaded = cpu_ops.load()
+    assert loaded is not None, "the CPU kernels must build on a machine with a C++ compiler (see the log)"
+    return loaded
+
+
+def test_tiles_interleave_pairs_along_k_for_each_group_of_32_columns():
+    n, k = 40, 64
+    w = torch.arange(n * k, dtype=torch.float32).view(n, k).bfloat16()
+    tiles = cpu_linear.pack_tiles(w)
+    assert tiles.shape == (2, 2, 2, 16, 32) and tiles.is_contiguous()
+    for g, s, t, r, c, j in [(0, 0, 0, 0, 0, 0), (0, 1, 1, 5, 3, 1), (1, 0, 0, 7, 7, 1), (0, 1, 0, 15, 15, 0)]:
+        assert tiles[g, s, t, r, 2 * c + j] == w[32 * g + 16 * t + c, 32 * s + 2 * r + j]
+    assert not tiles[1, :, 0, :, 16:].any() and not tiles[1, :, 1].any(), "columns past N are zero"
+
+
+def test_only_bfloat16_weights_with_k_a_multiple_of_32_pack_into_tiles():
+    assert cpu_linear.tiles_fit(torch.zeros(8, 64, dtype=torch.bfloat16))
+    assert not cpu_linear.tiles_fit(torch.zeros(8, 64))
+    assert not cpu_linear.tiles_fit(torch.zeros(8, 48, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_linear.pack_tiles(torch.zeros(8, 48, dtype=torch.bfloat16))
+
+
+def test_the_kernel_runs_on_amx_exactly_where_the_cpu_has_it(ops):
+    assert cpu_linear.amx_tiles_run(ops) == ({"amx_tile", "amx_bf16"} <= cpu_flags())
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 16, 17, 32, 33, 70])
+@pytest.mark.parametrize("out_features,in_features", [(32, 32), (200, 64), (17, 96), (1, 32), (96, 1024)])
+def test_the_tile_linear_computes_the_plain_matmul_to_bfloat16_rounding(ops, rows, out_features, in_features):
+    torch.manual_seed(rows * 7 + out_features)
+    lin = Linear(in_features, out_features)
+    torch.nn.init.normal_(lin.weight)
+    lin.to(torch.bfloat16)
+    x = torch.randn(rows, in_features + 32)[:, :in_features].bfloat16()  # strided rows
+    with torch.inference_mode():
+        lin.pack_tiles(ops)
+        got = lin(x)
+    assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    truth = x.double() @ lin.weight.double().t()  # the bfloat16 inputs, exactly
+    # float32 accumulation, then one rounding to bfloat16 (2^-8 relative)
+    scale = x.double().abs() @ lin.weight.double().abs().t()
+    assert ((got.double() - truth).abs() <= truth.abs() * 2**-8 + scale * 1e-6).all()
+
+
+def test_the_tile_linear_keeps_leading_dimensions(ops):
+    w, x = torch.randn(48, 64).bfloat16(), torch.randn(2, 3, 64).bfloat16()
+    got = cpu_linear.tile_linear(ops, x, cpu_linear.pack_tiles(w), 48)
+    torch.testing.assert_close(got.float(), (x.float() @ w.float().t()), atol=0.1, rtol=2**-7)
+
+
+@pytest.mark.parametrize(
+    "x,n,match",
+    [
+        (torch.randn(2, 32).bfloat16(), 32, "does not fit"),  # 40 columns make 2 groups: 33 to 64 outputs
+        (torch.randn(2, 32).bfloat16(), 65, "does not fit"),
+        (torch.randn(2, 32), 40, "bfloat16"),
+        (torch.randn(2, 64).bfloat16(), 40, "features"),
+        (torch.randn(2, 2, 32).bfloat16(), 40, r"\[M, K\]"),
+    ],
+)
+def test_the_tile_linear_refuses_inputs_that_do_not_fit(ops, x, n, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.tile_linear(x, cpu_linear.pack_tiles(torch.randn(40, 32).bfloat16()), n)
+
+
+def test_the_tile_linear_refuses_a_weight_not_in_the_tile_layout(ops):
+    with pytest.raises(RuntimeError, match="pack_tiles"):
+        ops.tile_linear(torch.randn(2, 32).bfloat16(), torch.randn(40, 32).bfloat16(), 40)
+
+
+def greedy(tiny, dtype, steps=10):
+    engine = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype=dtype), loaded=tiny)
+    prompts = {f"r{i}": [3 + i, 17, 42 + 5 * i, 9, 100 + i] * (i + 1) for i in range(4)}
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
+    out: dict[str, list[int]] = {rid: [] for rid in prompts}
+    while engine.scheduler.running or engine.scheduler.waiting:
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return engine, out
+
+
+def test_auto_takes_the_tiles_for_bfloat16_where_amx_runs_and_they_agree_with_the_pytorch_layers(tiny, monkeypatch):
+    """With AMX reported (on a CPU without it, the portable loop computes the same layout), `auto`
+    packs every linear into tiles in bfloat16; decode steps go through the compiled layers on the
+    tiles, and tokens and KV cache equal those of the PyTorch layers on the same tiles."""
+    monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
+    monkeypatch.setattr(runner_module, "amx_tiles_run", lambda ops: ops is not None)
+    compiled, out = greedy(tiny, "bfloat16")
+    assert compiled.runner.cpu_linear == "amx" and compiled.runner.compiled_decode
+    lins = [m for m in compiled.runner.model.modules() if isinstance(m, Linear)]
+    assert all(m.tiles is not None and m.panels is None and m.packed is None for m in lins)
+    eager = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="bfloat16"), loaded=tiny)
+    eager.runner.model.use_compiled_decode(None)
+    prompts = {f"r{i}": [3 + i, 17, 42 + 5 * i, 9, 100 + i] * (i + 1) for i in range(4)}
+    for rid, ids in prompts.items():
+        eager.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    eager_out: dict[str, list[int]] = {rid: [] for rid in prompts}
+    while eager.scheduler.running or eager.scheduler.waiting:
+        for o in eager.step():
+            eager_out[o.request_id].extend(o.new_token_ids)
+    assert all(len(v) == 10 for v in out.values())
+    assert out == eager_out
+    torch.testing.assert_close(compiled.runner.kv_cache, eager.runner.kv_cache, atol=0, rtol=0)
+
+
+def test_auto_keeps_float32_off_the_tiles(tiny, monkeypatch):
+    monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
+    monkeypatch.setattr(runner_module, "amx_tiles_run", lambda ops: ops is not None)
+    engine, out = greedy(tiny, "float32", steps=3)
+    assert engine.runner.cpu_linear in ("pdserve", "onednn")
+    assert all(len(v) == 3 for v in out.values())
+
+
+def test_asking_for_amx_where_it_cannot_run_falls_back_with_a_warning(tiny, monkeypatch, caplog):
+    monkeypatch.setenv(CPU_LINEAR_ENV, "amx")
+    monkeypatch.setattr(runner_module, "amx_tiles_run", lambda ops: False)
+    with caplog.at_level("WARNING"):
+        engine, out = greedy(tiny, "bfloat16", steps=3)
+    assert engine.runner.cpu_linear == "pdserve"
+    assert "PDSERVE_CPU_LINEAR=amx" in caplog.text
+    assert all(len(v) == 3 for v in out.values())
