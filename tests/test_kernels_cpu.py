@@ -1,7 +1,8 @@
 """The compiled CPU backend (kernels/csrc/cpu_attention.cpp) against the dense float64 oracle and
 the PyTorch reference: odd lengths, page sizes 1/7/16, GQA groups on the vectorised paths (1-8)
 and past them (9), head sizes that are and are not a multiple of 8 (and, on AVX-512, of 16 and
-32: attention_avx512.h), shuffled tables padded with
+32: attention_avx512.h; bfloat16 scores on AMX tiles where the CPU has AMX, over tiles of 16
+positions read in place or, across small pages and at the tail, copied), shuffled tables padded with
 -1 over caches whose unused slots hold NaN, float32 and bfloat16, strided q as the model passes
 it. Bad tables raise instead of reading outside the cache. The build itself, its cache key and
 the fallback to the reference when it cannot build are tested too."""
@@ -86,6 +87,26 @@ def test_bfloat16_matches_the_reference_within_its_precision(backend, group, hea
     expected = ReferenceBackend().decode_attention(case.decode_q, case.k_cache, case.v_cache, case.seq_lens,
                                                    case.block_tables, case.scale)
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 16, 32])
+@pytest.mark.parametrize("group,head_dim", [(3, 64), (8, 128), (1, 32)])
+def test_bfloat16_over_page_sizes_and_partial_tiles(backend, block_size, group, head_dim):
+    """bfloat16 with d a multiple of 32, the scores AMX computes where the CPU has it: 16 positions
+    evenly spaced within a page are read in place, a tile across pages (sizes 1 and 7, shuffled)
+    or past the last position is copied and zero-padded; both as whole-sequence and per-head items.
+    The unused slots hold NaN: a read past a sequence's tokens would show."""
+    lens = [1, 15, 16, 17, 100, 257, 2, 33]
+    case = decode_case(lens, group=group, head_dim=head_dim, block_size=block_size, num_kv_heads=2,
+                       dtype=torch.bfloat16, seed=block_size + group)
+    out = run(backend, case)
+    assert not out.isnan().any()
+    expected = ReferenceBackend().decode_attention(case.decode_q, case.k_cache, case.v_cache, case.seq_lens,
+                                                   case.block_tables, case.scale)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    one = backend.decode_attention(case.decode_q[4:5], case.k_cache, case.v_cache, case.seq_lens[4:5],
+                                   case.block_tables[4:5], case.scale)
+    torch.testing.assert_close(one, out[4:5], atol=0, rtol=0)
 
 
 def test_strided_q_as_the_model_passes_it(backend):

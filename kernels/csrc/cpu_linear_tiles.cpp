@@ -14,7 +14,7 @@
 // tensors (about 24 GB/s there). A decode step at batch 1-32 is bound by that read.
 //
 // Where the compiler offers no AMX (-march=native on a CPU without it) or the kernel refuses the
-// process AMX's register state, the same layout runs through a portable loop: slow, and never
+// process AMX's register state (amx.h), the same layout runs through a portable loop: slow, and never
 // chosen by the runner (`tile_linear_uses_amx`), but it keeps the layout and the chunking tested
 // on every machine against the oracle x @ W.T.
 
@@ -23,6 +23,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "amx.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -30,12 +31,6 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#define PDSERVE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -62,36 +57,14 @@ inline void write_rows(const float* acc, int rows, int64_t cols, bf16* y, int64_
 
 #if defined(PDSERVE_AMX)
 
-// Linux gives a process AMX's 8 KiB of register state only on request (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XTILEDATA); without it the first tile instruction faults.
-bool amx_ready() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0-3 accumulate (2h + t: rows of half h, columns of B tile t), 4-5 hold x's two halves,
 // 6-7 the weight. A half with no rows keeps one row configured and is never used.
 void configure(int rows0, int rows1) {
-  TileConfig cfg;
+  pdserve_amx::TileConfig cfg;
   const int half1 = std::max(rows1, 1);
-  const uint8_t rows[8] = {uint8_t(rows0), uint8_t(rows0), uint8_t(half1), uint8_t(half1),
-                           uint8_t(rows0), uint8_t(half1), 16, 16};
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = rows[t];
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
+  const int rows[8] = {rows0, rows0, half1, half1, rows0, half1, 16, 16};
+  for (int t = 0; t < 8; ++t) cfg.set(t, rows[t], 64);
+  cfg.load();
 }
 
 // One chunk of rows (rows0 + rows1 <= 32) times one group, into acc [32, 32]. Prefetch: the
@@ -158,10 +131,6 @@ void amx_kernel(const bf16* x, int64_t rows, int64_t ldx, const bf16* w, int64_t
   });
 }
 
-#else
-
-bool amx_ready() { return false; }
-
 #endif
 
 // The same layout without tiles: what TDPBF16PS computes, one row of x at a time.
@@ -197,7 +166,7 @@ void portable_kernel(const bf16* x, int64_t rows, int64_t ldx, const bf16* w, in
 
 namespace pdserve_cpu {
 
-bool tile_linear_uses_amx() { return amx_ready(); }
+bool tile_linear_uses_amx() { return pdserve_amx::ready(); }
 
 at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "pdserve_cpu.tile_linear runs on CPU tensors");
@@ -220,7 +189,7 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   auto* yp = y.data_ptr<bf16>();
   const int64_t rows = xc.size(0), ldx = xc.stride(0), groups = packed.size(0), steps = packed.size(1);
 #if defined(PDSERVE_AMX)
-  if (amx_ready()) {
+  if (pdserve_amx::ready()) {
     amx_kernel(xp, rows, ldx, wp, groups, steps, out_features, yp);
     return y;
   }
