@@ -84,8 +84,8 @@ class ModelRunner:
             prefer_onednn = self.dtype == torch.bfloat16 or cpu_has_avx512()
             choice = "amx" if amx else "onednn" if (onednn and prefer_onednn) or ops is None else "pdserve"
         if choice == "amx":
-            if amx:
-                self.model.pack_cpu_linears(ops, layout="tiles")
+            if amx:  # and oneDNN's packing for large prefills, where it is faster (cpu_linear.TILE_MAX_ROWS)
+                self.model.pack_cpu_linears(ops, layout="tiles+onednn" if onednn else "tiles")
                 return "amx"
             log.warning("%s=amx: this CPU, dtype or model cannot run the AMX tile kernel; falling back", CPU_LINEAR_ENV)
             choice = "pdserve"

@@ -34,7 +34,8 @@ class Linear(nn.Module):
       but no AMX, and for float32 on AVX-512 CPUs.
     - `pack_tiles(ops)`: AMX tiles for the compiled tile kernel (kernels/csrc/cpu_linear_tiles.cpp),
       bfloat16 only; on a Sapphire Rapids it read the weights of decode steps 1.4-1.6x faster
-      than oneDNN.
+      than oneDNN. With `onednn=True` the oneDNN copy is kept too, for steps of more than
+      cpu_linear.TILE_MAX_ROWS rows (large prefills), where oneDNN is faster.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -56,21 +57,25 @@ class Linear(nn.Module):
         self.panels = cpu_linear.pack_weight(self.weight.detach())
         self.ops = ops
 
-    def pack_tiles(self, ops: object) -> None:
-        """Keep an AMX-tile copy for torch.ops.pdserve_cpu.tile_linear (the weight itself stays)."""
+    def pack_tiles(self, ops: object, onednn: bool = False) -> None:
+        """Keep an AMX-tile copy for torch.ops.pdserve_cpu.tile_linear, and with `onednn` a
+        oneDNN-packed one for large steps (the weight itself stays)."""
         self.tiles = cpu_linear.pack_tiles(self.weight.detach())
         self.ops = ops
+        if onednn:
+            self.pack_onednn()
 
     @property
     def compiled_weight(self) -> torch.Tensor | None:
-        """The packed copy the compiled ops read (ops.h `project` tells the layouts by rank)."""
+        """The packed copy the compiled decoder layers read (ops.h `project` tells the layouts by
+        rank); AMX tiles where both they and oneDNN's copy exist."""
         for w in (self.panels, self.tiles, self.packed):
             if w is not None:
                 return w
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiles is not None:
+        if self.tiles is not None and (self.packed is None or x.numel() <= cpu_linear.TILE_MAX_ROWS * x.shape[-1]):
             return cpu_linear.tile_linear(self.ops, x, self.tiles, self.out_features)
         if self.panels is not None:
             return cpu_linear.linear(self.ops, x, self.panels, self.out_features)
@@ -303,16 +308,16 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_cpu_linears(self, ops: object | None = None, layout: str = "panels") -> int:
         """Pack every projection and the LM head (CPU only): for oneDNN when `ops` is None, else
-        for the compiled kernels (torch.ops.pdserve_cpu) in `layout`, "panels" or "tiles" (AMX,
-        bfloat16). Returns how many."""
-        if layout not in ("panels", "tiles"):
-            raise ValueError(f"layout {layout!r}: expected panels or tiles")
+        for the compiled kernels (torch.ops.pdserve_cpu) in `layout`: "panels", "tiles" (AMX,
+        bfloat16) or "tiles+onednn" (tiles for small steps, oneDNN for large). Returns how many."""
+        if layout not in ("panels", "tiles", "tiles+onednn"):
+            raise ValueError(f"layout {layout!r}: expected panels, tiles or tiles+onednn")
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for m in linears:
             if ops is None:
                 m.pack_onednn()
-            elif layout == "tiles":
-                m.pack_tiles(ops)
+            elif layout.startswith("tiles"):
+                m.pack_tiles(ops, onednn=layout == "tiles+onednn")
             else:
                 m.pack_panels(ops)
         return len(linears)

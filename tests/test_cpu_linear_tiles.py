@@ -16,7 +16,7 @@ from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.kernels import cpu_linear, cpu_ops
 from pdserve.model.config import cpu_flags
-from pdserve.model.llama import CPU_LINEAR_ENV, Linear
+from pdserve.model.llama import CPU_LINEAR_ENV, Linear, onednn_linear_available
 from pdserve.protocol.sampling import SamplingParams
 
 
@@ -93,6 +93,28 @@ def test_the_tile_linear_refuses_a_weight_not_in_the_tile_layout(ops):
         ops.tile_linear(torch.randn(2, 32).bfloat16(), torch.randn(40, 32).bfloat16(), 40)
 
 
+def test_steps_of_more_than_tile_max_rows_go_to_onednn_where_it_is_there_and_the_rest_to_the_tiles(ops, monkeypatch):
+    """With oneDNN's bfloat16 copy (where this CPU's oneDNN computes bfloat16) large steps take it;
+    without, the tiles take every step."""
+    torch.manual_seed(5)
+    onednn = onednn_linear_available(torch.bfloat16)
+    lin = Linear(64, 96)
+    torch.nn.init.normal_(lin.weight)
+    lin.to(torch.bfloat16)
+    lin.pack_tiles(ops, onednn=onednn)
+    assert lin.tiles is not None and (lin.packed is not None) == onednn
+    calls: list[int] = []
+    real = cpu_linear.tile_linear
+    monkeypatch.setattr(cpu_linear, "tile_linear", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    limit = cpu_linear.TILE_MAX_ROWS
+    sizes = (1, limit, limit + 1, 3 * limit)
+    with torch.inference_mode():
+        for rows in sizes:
+            x = torch.randn(rows, 64).bfloat16()
+            torch.testing.assert_close(lin(x).float(), x.float() @ lin.weight.float().t(), atol=0.1, rtol=2**-7)
+    assert calls == ([1, limit] if onednn else list(sizes))
+
+
 def greedy(tiny, dtype, steps=10):
     engine = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype=dtype), loaded=tiny)
     prompts = {f"r{i}": [3 + i, 17, 42 + 5 * i, 9, 100 + i] * (i + 1) for i in range(4)}
@@ -114,7 +136,8 @@ def test_auto_takes_the_tiles_for_bfloat16_where_amx_runs_and_they_agree_with_th
     compiled, out = greedy(tiny, "bfloat16")
     assert compiled.runner.cpu_linear == "amx" and compiled.runner.compiled_decode
     lins = [m for m in compiled.runner.model.modules() if isinstance(m, Linear)]
-    assert all(m.tiles is not None and m.panels is None and m.packed is None for m in lins)
+    onednn = onednn_linear_available(torch.bfloat16)  # kept for large prefills where it is there
+    assert all(m.tiles is not None and m.panels is None and (m.packed is not None) == onednn for m in lins)
     eager = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="bfloat16"), loaded=tiny)
     eager.runner.model.use_compiled_decode(None)
     prompts = {f"r{i}": [3 + i, 17, 42 + 5 * i, 9, 100 + i] * (i + 1) for i in range(4)}

@@ -104,31 +104,41 @@ void chunk_by_group(const bf16* x, int64_t ldx, int rows0, int rows1, const bf16
   }
 }
 
+// Rows of x go in blocks that stay in L2 while every group of the weight passes by (each block
+// reads the weight once more): without them an 8,192-token prefill re-read all of x from memory
+// for each group of 32 columns and ran at half oneDNN's rate.
+constexpr int64_t kBlockBytes = 512 * 1024;
+
 void amx_kernel(const bf16* x, int64_t rows, int64_t ldx, const bf16* w, int64_t groups, int64_t steps, int64_t n,
                 bf16* y) {
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[kChunk * kGroup];
-    int configured0 = -1, configured1 = -1;
-    for (int64_t g = begin; g < end; ++g) {
-      const bf16* wg = w + g * steps * kStepElems;
-      for (int64_t m0 = 0; m0 < rows; m0 += kChunk) {
-        const int chunk = static_cast<int>(std::min(kChunk, rows - m0));
-        const int rows0 = std::min(chunk, 16), rows1 = chunk - rows0;
-        if (rows0 != configured0 || rows1 != configured1) {  // the config is per thread, and oneDNN sets its own
-          configure(rows0, rows1);
-          configured0 = rows0;
-          configured1 = rows1;
+  const int64_t row_bytes = steps * kStep * static_cast<int64_t>(sizeof(bf16));
+  const int64_t block = std::max(kChunk, kBlockBytes / row_bytes / kChunk * kChunk);
+  for (int64_t b0 = 0; b0 < rows; b0 += block) {
+    const int64_t b_rows = std::min(block, rows - b0);
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      alignas(64) float acc[kChunk * kGroup];
+      int configured0 = -1, configured1 = -1;
+      for (int64_t g = begin; g < end; ++g) {
+        const bf16* wg = w + g * steps * kStepElems;
+        for (int64_t m0 = b0; m0 < b0 + b_rows; m0 += kChunk) {
+          const int chunk = static_cast<int>(std::min(kChunk, b0 + b_rows - m0));
+          const int rows0 = std::min(chunk, 16), rows1 = chunk - rows0;
+          if (rows0 != configured0 || rows1 != configured1) {  // the config is per thread, and oneDNN sets its own
+            configure(rows0, rows1);
+            configured0 = rows0;
+            configured1 = rows1;
+          }
+          if (m0 == b0) {
+            chunk_by_group<true>(x + m0 * ldx, ldx, rows0, rows1, wg, steps, acc);
+          } else {
+            chunk_by_group<false>(x + m0 * ldx, ldx, rows0, rows1, wg, steps, acc);
+          }
+          write_rows(acc, chunk, std::min(kGroup, n - g * kGroup), y + m0 * n + g * kGroup, n);
         }
-        if (m0 == 0) {
-          chunk_by_group<true>(x + m0 * ldx, ldx, rows0, rows1, wg, steps, acc);
-        } else {
-          chunk_by_group<false>(x + m0 * ldx, ldx, rows0, rows1, wg, steps, acc);
-        }
-        write_rows(acc, chunk, std::min(kGroup, n - g * kGroup), y + m0 * n + g * kGroup, n);
       }
-    }
-    _tile_release();
-  });
+      _tile_release();
+    });
+  }
 }
 
 #endif
