@@ -115,6 +115,25 @@ def test_steps_of_more_than_tile_max_rows_go_to_onednn_where_it_is_there_and_the
     assert calls == ([1, limit] if onednn else list(sizes))
 
 
+def test_onednn_after_the_tiles_computes_what_it_computed_before(ops):
+    """Both use AMX's per-thread tile configuration: each loads its own before its first tile
+    instruction, so oneDNN's results do not change after the tiles (and the attention's AMX
+    scores) reconfigured and released the tiles on the same threads."""
+    torch.manual_seed(9)
+    lin = Linear(64, 96)
+    torch.nn.init.normal_(lin.weight)
+    lin.to(torch.bfloat16)
+    onednn = onednn_linear_available(torch.bfloat16)
+    lin.pack_tiles(ops, onednn=onednn)
+    big, small = torch.randn(4 * cpu_linear.TILE_MAX_ROWS, 64).bfloat16(), torch.randn(3, 64).bfloat16()
+    with torch.inference_mode():
+        first = lin(big)
+        small_out = lin(small)
+        again = lin(big)
+    torch.testing.assert_close(again, first, atol=0, rtol=0)
+    torch.testing.assert_close(small_out.float(), small.float() @ lin.weight.float().t(), atol=0.1, rtol=2**-7)
+
+
 def greedy(tiny, dtype, steps=10):
     engine = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype=dtype), loaded=tiny)
     prompts = {f"r{i}": [3 + i, 17, 42 + 5 * i, 9, 100 + i] * (i + 1) for i in range(4)}
