@@ -226,8 +226,8 @@ class DecoderLayer(nn.Module):
         AMX tiles or oneDNN's layout, whichever pack_cpu_linears made)."""
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        packed = tuple(p.compiled_weight for p in projections)
-        if any(w is None for w in packed):
+        packed = [w for w in (p.compiled_weight for p in projections) if w is not None]
+        if len(packed) != len(projections):
             raise ValueError("use_compiled_decode needs every projection packed first (pack_cpu_linears)")
         weights = (self.input_layernorm.weight, self.post_attention_layernorm.weight, *packed)
         dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size, self.input_layernorm.eps, attn.scale)
