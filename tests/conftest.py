@@ -1,4 +1,5 @@
-"""Shared fixtures: the real SmolLM2 (loaded once per session) and a tiny random Llama."""
+"""Shared fixtures: the compiled CPU kernels, the real SmolLM2 (loaded once per session) and a tiny
+random Llama."""
 
 from __future__ import annotations
 
@@ -13,6 +14,16 @@ torch.set_num_threads(int(os.environ.get("PDSERVE_TEST_THREADS", "1")))
 # Tests compare with the float32 oracle (transformers) and with each other: pin what the default
 # `--dtype auto` would choose per CPU, for every process the tests start (the flag reads it).
 os.environ.setdefault("PDSERVE_DTYPE", "float32")
+
+
+@pytest.fixture(scope="session")
+def ops():
+    """torch.ops.pdserve_cpu: the compiled CPU kernels, built (or loaded from the cache) once."""
+    from pdserve.kernels import cpu_ops
+
+    loaded = cpu_ops.load()
+    assert loaded is not None, "the CPU kernels must build on a machine with a C++ compiler (see the log)"
+    return loaded
 
 
 @pytest.fixture(scope="session")

@@ -12,16 +12,9 @@ import torch
 
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.kernels import cpu_linear, cpu_ops
+from pdserve.kernels import cpu_linear
 from pdserve.model.llama import CPU_LINEAR_ENV, Linear, onednn_linear_available
-from pdserve.protocol.sampling import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def ops():
-    loaded = cpu_ops.load()
-    assert loaded is not None, "the CPU kernels must build on a machine with a C++ compiler (see the log)"
-    return loaded
+from tests.helpers.engine_runs import greedy_tokens
 
 
 def test_this_torch_build_packs_float32_linears_for_onednn():
@@ -103,13 +96,7 @@ def greedy(tiny, monkeypatch, mode):
         monkeypatch.setenv(CPU_LINEAR_ENV, mode)
     engine = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32"), loaded=tiny)
     prompts = {f"r{i}": [3 + i, 17, 42 + 5 * i, 9, 100 + i] for i in range(4)}
-    for rid, ids in prompts.items():
-        engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    out: dict[str, list[int]] = {rid: [] for rid in prompts}
-    while engine.scheduler.running or engine.scheduler.waiting:
-        for o in engine.step():
-            out[o.request_id].extend(o.new_token_ids)
-    return engine, out
+    return engine, greedy_tokens(engine, prompts, 12)
 
 
 def linears(engine):

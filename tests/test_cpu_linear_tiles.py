@@ -14,17 +14,10 @@ import torch
 import pdserve.engine.runner as runner_module
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.kernels import cpu_linear, cpu_ops
+from pdserve.kernels import cpu_linear
 from pdserve.model.config import cpu_flags
 from pdserve.model.llama import CPU_LINEAR_ENV, Linear, onednn_linear_available
-from pdserve.protocol.sampling import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def ops():
-    loaded = cpu_ops.load()
-    assert loaded is not None, "the CPU kernels must build on a machine with a C++ compiler (see the log)"
-    return loaded
+from tests.helpers.engine_runs import greedy_tokens
 
 
 def test_tiles_interleave_pairs_along_k_for_each_group_of_32_columns():
@@ -134,16 +127,12 @@ def test_onednn_after_the_tiles_computes_what_it_computed_before(ops):
     torch.testing.assert_close(small_out.float(), small.float() @ lin.weight.float().t(), atol=0.1, rtol=2**-7)
 
 
+PROMPTS = {f"r{i}": [3 + i, 17, 42 + 5 * i, 9, 100 + i] * (i + 1) for i in range(4)}
+
+
 def greedy(tiny, dtype, steps=10):
     engine = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype=dtype), loaded=tiny)
-    prompts = {f"r{i}": [3 + i, 17, 42 + 5 * i, 9, 100 + i] * (i + 1) for i in range(4)}
-    for rid, ids in prompts.items():
-        engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
-    out: dict[str, list[int]] = {rid: [] for rid in prompts}
-    while engine.scheduler.running or engine.scheduler.waiting:
-        for o in engine.step():
-            out[o.request_id].extend(o.new_token_ids)
-    return engine, out
+    return engine, greedy_tokens(engine, PROMPTS, steps)
 
 
 def test_auto_takes_the_tiles_for_bfloat16_where_amx_runs_and_they_agree_with_the_pytorch_layers(tiny, monkeypatch):
@@ -159,13 +148,7 @@ def test_auto_takes_the_tiles_for_bfloat16_where_amx_runs_and_they_agree_with_th
     assert all(m.tiles is not None and m.panels is None and (m.packed is not None) == onednn for m in lins)
     eager = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="bfloat16"), loaded=tiny)
     eager.runner.model.use_compiled_decode(None)
-    prompts = {f"r{i}": [3 + i, 17, 42 + 5 * i, 9, 100 + i] * (i + 1) for i in range(4)}
-    for rid, ids in prompts.items():
-        eager.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
-    eager_out: dict[str, list[int]] = {rid: [] for rid in prompts}
-    while eager.scheduler.running or eager.scheduler.waiting:
-        for o in eager.step():
-            eager_out[o.request_id].extend(o.new_token_ids)
+    eager_out = greedy_tokens(eager, PROMPTS, 10)
     assert all(len(v) == 10 for v in out.values())
     assert out == eager_out
     torch.testing.assert_close(compiled.runner.kv_cache, eager.runner.kv_cache, atol=0, rtol=0)

@@ -19,13 +19,12 @@ from pdserve.kernels.backends import get_backend
 from pdserve.kernels.cpu_backend import CpuBackend
 from pdserve.kernels.reference import ReferenceBackend
 from pdserve.kernels.testing import make_case
+from tests.helpers.engine_runs import greedy_tokens
 from tests.test_kernels_reference import oracle
 
 
 @pytest.fixture(scope="module")
-def backend() -> CpuBackend:
-    ops = cpu_ops.load()
-    assert ops is not None, "the CPU kernels must build on a machine with a C++ compiler (see the log)"
+def backend(ops) -> CpuBackend:
     return CpuBackend(ops)
 
 
@@ -257,7 +256,6 @@ def test_the_engine_gives_the_same_greedy_tokens_with_and_without_the_fused_ops(
     from pdserve.config.engine import EngineConfig
     from pdserve.engine.engine import Engine
     from pdserve.engine.runner import CPU_FUSED_ENV
-    from pdserve.protocol.sampling import SamplingParams
 
     outs = {}
     for flag in ("1", "0"):
@@ -265,13 +263,7 @@ def test_the_engine_gives_the_same_greedy_tokens_with_and_without_the_fused_ops(
         engine = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32"), loaded=tiny)
         assert engine.runner.fused_elementwise is (flag == "1")
         assert engine.runner.compiled_decode is (flag == "1")
-        for i in range(3):
-            engine.add_request(f"r{i}", [5 + i, 60, 7, 300 + i], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
-        got: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
-        while engine.scheduler.running or engine.scheduler.waiting:
-            for o in engine.step():
-                got[o.request_id].extend(o.new_token_ids)
-        outs[flag] = got
+        outs[flag] = greedy_tokens(engine, {f"r{i}": [5 + i, 60, 7, 300 + i] for i in range(3)}, 10)
     assert all(len(v) == 10 for v in outs["1"].values())
     assert outs["1"] == outs["0"]
 
@@ -306,19 +298,12 @@ def lockstep_compiled_and_pytorch_layers(tiny, dtype: str, max_tokens: int):
     layers. Returns the engines and each one's greedy tokens per request."""
     from pdserve.config.engine import EngineConfig
     from pdserve.engine.engine import Engine
-    from pdserve.protocol.sampling import SamplingParams
 
     engines = [Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype=dtype), loaded=tiny) for _ in range(2)]
     assert all(e.runner.compiled_decode for e in engines)
     engines[1].runner.model.use_compiled_decode(None)
-    outs: list[dict[str, list[int]]] = [{}, {}]
-    for engine, out in zip(engines, outs, strict=True):
-        for i in range(3):
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            engine.add_request(f"r{i}", list(range(5 + i, 5 + 9 * (i + 1))), params)
-        while engine.scheduler.running or engine.scheduler.waiting:
-            for o in engine.step():
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    prompts = {f"r{i}": list(range(5 + i, 5 + 9 * (i + 1))) for i in range(3)}
+    outs = [greedy_tokens(engine, prompts, max_tokens) for engine in engines]
     assert all(len(v) == max_tokens for v in outs[0].values())
     return engines, outs
 

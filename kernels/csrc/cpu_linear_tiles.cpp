@@ -14,9 +14,9 @@
 // tensors (about 24 GB/s there). A decode step at batch 1-32 is bound by that read.
 //
 // Where the compiler offers no AMX (-march=native on a CPU without it) or the kernel refuses the
-// process AMX's register state (amx.h), the same layout runs through a portable loop: slow, and never
-// chosen by the runner (`tile_linear_uses_amx`), but it keeps the layout and the chunking tested
-// on every machine against the oracle x @ W.T.
+// process AMX's register state (amx.h), the same layout runs through a portable loop: slow, and
+// never chosen by the runner (`tile_linear_uses_amx`), but it keeps the layout and the chunking
+// tested on every machine against the oracle x @ W.T.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,8 +29,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
-
 
 namespace {
 
