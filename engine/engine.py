@@ -131,9 +131,10 @@ class Engine:
         self.last_step_ran = False  # whether the last step() ran the model (a caller's idle check)
         self.grammars = GrammarCompiler(loaded.tokenizer)
         self._saves: list[KVSave] = []
-        log.info("engine up: policy=%s connector=%s model=%s blocks=%d x %d device=%s dtype=%s",
+        log.info("engine up: policy=%s connector=%s model=%s blocks=%d x %d device=%s dtype=%s linears=%s",
                  policy.name, type(self.connector.scheduler).__name__, self.model_name, num_blocks,
-                 config.block_size, config.device, config.dtype)
+                 config.block_size, config.device, str(self.runner.dtype).removeprefix("torch."),
+                 self.runner.cpu_linear)
 
     # --- requests in -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,

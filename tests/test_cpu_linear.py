@@ -137,3 +137,10 @@ def test_an_unknown_linear_choice_is_refused_by_name(tiny, monkeypatch):
     monkeypatch.setenv(CPU_LINEAR_ENV, "blas")
     with pytest.raises(ValueError, match="PDSERVE_CPU_LINEAR='blas'"):
         Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32"), loaded=tiny)
+
+
+def test_the_engine_start_line_names_the_resolved_dtype_and_the_linear_path(tiny, monkeypatch, caplog):
+    monkeypatch.setenv(CPU_LINEAR_ENV, "mkl")
+    with caplog.at_level("INFO", logger="pdserve.engine.engine"):
+        Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32"), loaded=tiny)
+    assert "dtype=float32 linears=mkl" in caplog.text
