@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--attention-backend", default=None, help="cpu, reference or triton (default: by device)")
     p.add_argument("--profile", action="store_true",
                    help="instead: torch.profiler's breakdown of a decode step at batch 32 and a 256-token prefill")
+    p.add_argument("--per-op", action="store_true",
+                   help="with --profile: decode steps through the PyTorch layers, so each compiled op shows on its own "
+                        "instead of inside one decoder_layers_ call")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
@@ -136,6 +139,8 @@ def main(argv: list[str] | None = None) -> None:
                           attention_backend=args.attention_backend)
     engine = Engine(config, loaded=loaded)
     if args.profile:
+        if args.per_op:
+            engine.runner.model.use_compiled_decode(None)
         profile(engine, args.context, args.repeats)
         return
     dtype = engine.runner.dtype
