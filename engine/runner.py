@@ -85,15 +85,15 @@ class ModelRunner:
             choice = "amx" if amx else "onednn" if (onednn and prefer_onednn) or ops is None else "pdserve"
         if choice == "amx":
             if amx:  # and oneDNN's packing for large prefills, where it is faster (cpu_linear.TILE_MAX_ROWS)
-                self.model.pack_cpu_linears(ops, layout="tiles+onednn" if onednn else "tiles")
+                self.model.pack_cpu_linears("tiles+onednn" if onednn else "tiles", ops)
                 return "amx"
             log.warning("%s=amx: this CPU, dtype or model cannot run the AMX tile kernel; falling back", CPU_LINEAR_ENV)
             choice = "pdserve"
         if choice == "pdserve" and ops is not None:
-            self.model.pack_cpu_linears(ops)
+            self.model.pack_cpu_linears("panels", ops)
             return "pdserve"
         if choice in ("pdserve", "onednn") and onednn:
-            self.model.pack_cpu_linears()
+            self.model.pack_cpu_linears("onednn")
             return "onednn"
         return "mkl"
 

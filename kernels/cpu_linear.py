@@ -22,21 +22,32 @@ TILE_STEP = 32  # K per tile row (32 bfloat16 = 64 bytes)
 TILE_MAX_ROWS = 128
 
 
+def _padded(weight: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
+    """W [N, K] with zero rows appended up to a multiple of `multiple` rows, and how many groups
+    of `multiple` that makes."""
+    n, k = weight.shape
+    groups = -(-n // multiple)
+    padded = weight.new_zeros(groups * multiple, k)
+    padded[:n] = weight
+    return padded, groups
+
+
+def _rows_through(op, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [..., K] -> [..., N] through a compiled op that takes [M, K] rows."""
+    if x.dim() == 2:
+        return op(x, packed, out_features)
+    return op(x.reshape(-1, x.shape[-1]), packed, out_features).view(*x.shape[:-1], out_features)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] (any strides) -> contiguous [ceil(N/24), K, 24] panels in the same dtype."""
-    n, k = weight.shape
-    panels = -(-n // PANEL)
-    padded = weight.new_zeros(panels * PANEL, k)
-    padded[:n] = weight
-    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+    padded, panels = _padded(weight, PANEL)
+    return padded.view(panels, PANEL, weight.shape[1]).transpose(1, 2).contiguous()
 
 
 def linear(ops: object, x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [..., K] -> [..., N] through the compiled kernel (float32 or bfloat16 CPU tensors)."""
-    if x.dim() == 2:
-        return ops.linear(x, panels, out_features)  # type: ignore[attr-defined]
-    flat = ops.linear(x.reshape(-1, x.shape[-1]), panels, out_features)  # type: ignore[attr-defined]
-    return flat.view(*x.shape[:-1], out_features)
+    return _rows_through(ops.linear, x, panels, out_features)  # type: ignore[attr-defined]
 
 
 def amx_tiles_run(ops: object | None) -> bool:
@@ -56,18 +67,12 @@ def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
     if not tiles_fit(weight):
         raise ValueError(f"AMX tiles take a bfloat16 [N, K] weight with K a multiple of {TILE_STEP}, "
                          f"got {weight.dtype} {tuple(weight.shape)}")
-    n, k = weight.shape
-    groups = -(-n // TILE_GROUP)
-    padded = weight.new_zeros(groups * TILE_GROUP, k)
-    padded[:n] = weight
-    steps = k // TILE_STEP
+    padded, groups = _padded(weight, TILE_GROUP)
+    steps = weight.shape[1] // TILE_STEP
     tiles = padded.view(groups, 2, 16, steps, 16, 2).permute(0, 3, 1, 4, 2, 5)
     return tiles.contiguous().view(groups, steps, 2, 16, 32)
 
 
 def tile_linear(ops: object, x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [..., K] -> [..., N] through the AMX tile kernel (bfloat16 CPU tensors)."""
-    if x.dim() == 2:
-        return ops.tile_linear(x, tiles, out_features)  # type: ignore[attr-defined]
-    flat = ops.tile_linear(x.reshape(-1, x.shape[-1]), tiles, out_features)  # type: ignore[attr-defined]
-    return flat.view(*x.shape[:-1], out_features)
+    return _rows_through(ops.tile_linear, x, tiles, out_features)  # type: ignore[attr-defined]

@@ -75,7 +75,8 @@ class Linear(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiles is not None and (self.packed is None or x.numel() <= cpu_linear.TILE_MAX_ROWS * x.shape[-1]):
+        rows = x.numel() // x.shape[-1]
+        if self.tiles is not None and (self.packed is None or rows <= cpu_linear.TILE_MAX_ROWS):
             return cpu_linear.tile_linear(self.ops, x, self.tiles, self.out_features)
         if self.panels is not None:
             return cpu_linear.linear(self.ops, x, self.panels, self.out_features)
@@ -306,20 +307,22 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("use_compiled_decode runs layers of one shape")
         self._compiled_layers = (ops, [w for weights, _ in args for w in weights], args[0][1])
 
-    def pack_cpu_linears(self, ops: object | None = None, layout: str = "panels") -> int:
-        """Pack every projection and the LM head (CPU only): for oneDNN when `ops` is None, else
-        for the compiled kernels (torch.ops.pdserve_cpu) in `layout`: "panels", "tiles" (AMX,
-        bfloat16) or "tiles+onednn" (tiles for small steps, oneDNN for large). Returns how many."""
-        if layout not in ("panels", "tiles", "tiles+onednn"):
-            raise ValueError(f"layout {layout!r}: expected panels, tiles or tiles+onednn")
+    def pack_cpu_linears(self, layout: str, ops: object | None = None) -> int:
+        """Pack every projection and the LM head (CPU only) in `layout`: "onednn", or for the
+        compiled kernels (`ops`, torch.ops.pdserve_cpu) "panels", "tiles" (AMX, bfloat16) or
+        "tiles+onednn" (tiles for small steps, oneDNN for large). Returns how many."""
+        if layout not in ("onednn", "panels", "tiles", "tiles+onednn"):
+            raise ValueError(f"layout {layout!r}: expected onednn, panels, tiles or tiles+onednn")
+        if layout != "onednn" and ops is None:
+            raise ValueError(f"layout {layout!r} needs the compiled ops")
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for m in linears:
-            if ops is None:
+            if layout == "onednn":
                 m.pack_onednn()
-            elif layout.startswith("tiles"):
-                m.pack_tiles(ops, onednn=layout == "tiles+onednn")
-            else:
+            elif layout == "panels":
                 m.pack_panels(ops)
+            else:
+                m.pack_tiles(ops, onednn=layout == "tiles+onednn")
         return len(linears)
 
     def tiles_fit(self) -> bool:
