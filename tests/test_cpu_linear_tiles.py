@@ -1,6 +1,6 @@
 """The AMX tile linear (kernels/csrc/cpu_linear_tiles.cpp): the packed layout is the one TDPBF16PS
 reads; the kernel computes x @ W.T to bfloat16 rounding at every row count it chunks differently
-(one row, a partial A tile, a whole one, two, several chunks) and output widths that are not a
+(one row, a partial A tile, a whole one, two, several chunks, two row blocks) and output widths that are not a
 multiple of its 32-column groups, on strided rows; bad inputs raise. On a CPU without AMX the same
 layout runs through the kernel's portable loop, so every check here runs on every machine; where
 AMX runs, the runner's `auto` takes it for bfloat16, and engines with it agree with the PyTorch
@@ -42,7 +42,7 @@ def test_the_kernel_runs_on_amx_exactly_where_the_cpu_has_it(ops):
     assert cpu_linear.amx_tiles_run(ops) == ({"amx_tile", "amx_bf16"} <= cpu_flags())
 
 
-@pytest.mark.parametrize("rows", [0, 1, 5, 16, 17, 32, 33, 70])
+@pytest.mark.parametrize("rows", [0, 1, 5, 16, 17, 32, 33, 70, 300])  # 300 x 1024: two L2 row blocks
 @pytest.mark.parametrize("out_features,in_features", [(32, 32), (200, 64), (17, 96), (1, 32), (96, 1024)])
 def test_the_tile_linear_computes_the_plain_matmul_to_bfloat16_rounding(ops, rows, out_features, in_features):
     torch.manual_seed(rows * 7 + out_features)

@@ -102,72 +102,76 @@ void chunk_by_group(const bf16* x, int64_t ldx, int rows0, int rows1, const bf16
   }
 }
 
+// One thread's multiplies on AMX: the tile configuration follows the chunk's row count (a thread
+// loads its own; oneDNN sets its own too), and the tiles are released when the thread's share is done.
+struct AmxChunks {
+  int rows0 = -1, rows1 = -1;
+  void operator()(const bf16* x, int64_t ldx, int rows, const bf16* w, int64_t steps, bool from_memory, float* acc) {
+    const int r0 = std::min(rows, 16), r1 = rows - r0;
+    if (r0 != rows0 || r1 != rows1) {
+      configure(r0, r1);
+      rows0 = r0;
+      rows1 = r1;
+    }
+    if (from_memory) {
+      chunk_by_group<true>(x, ldx, r0, r1, w, steps, acc);
+    } else {
+      chunk_by_group<false>(x, ldx, r0, r1, w, steps, acc);
+    }
+  }
+  ~AmxChunks() { _tile_release(); }
+};
+
+#endif
+
+// The same layout without tiles: what TDPBF16PS computes, one row of x at a time.
+struct PortableChunks {
+  void operator()(const bf16* x, int64_t ldx, int rows, const bf16* w, int64_t steps, bool, float* acc) const {
+    std::fill(acc, acc + kChunk * kGroup, 0.f);
+    for (int m = 0; m < rows; ++m) {
+      const bf16* xr = x + m * ldx;
+      float* a = acc + m * kGroup;
+      for (int64_t s = 0; s < steps; ++s) {
+        for (int t = 0; t < 2; ++t) {
+          const bf16* b = w + s * kStepElems + t * (kStepElems / 2);
+          for (int r = 0; r < 16; ++r) {
+            const float x0 = xr[s * kStep + 2 * r], x1 = xr[s * kStep + 2 * r + 1];
+            for (int c = 0; c < 16; ++c) a[16 * t + c] += x0 * float(b[r * 32 + 2 * c]) + x1 * float(b[r * 32 + 2 * c + 1]);
+          }
+        }
+      }
+    }
+  }
+};
+
 // Rows of x go in blocks that stay in L2 while every group of the weight passes by (each block
 // reads the weight once more): without them an 8,192-token prefill re-read all of x from memory
 // for each group of 32 columns and ran at half oneDNN's rate.
 constexpr int64_t kBlockBytes = 512 * 1024;
 
-void amx_kernel(const bf16* x, int64_t rows, int64_t ldx, const bf16* w, int64_t groups, int64_t steps, int64_t n,
-                bf16* y) {
+// The loop both kernels share: within a block of rows, each thread takes a share of the groups
+// and multiplies each with every chunk of up to 32 rows (`Chunks`, one per thread; the block's
+// first chunk reads the group's weight from memory), then rounds the chunk into y.
+template <typename Chunks>
+void by_groups(const bf16* x, int64_t rows, int64_t ldx, const bf16* w, int64_t groups, int64_t steps, int64_t n,
+               bf16* y) {
   const int64_t row_bytes = steps * kStep * static_cast<int64_t>(sizeof(bf16));
   const int64_t block = std::max(kChunk, kBlockBytes / row_bytes / kChunk * kChunk);
   for (int64_t b0 = 0; b0 < rows; b0 += block) {
-    const int64_t b_rows = std::min(block, rows - b0);
+    const int64_t b_end = std::min(rows, b0 + block);
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      Chunks chunks;
       alignas(64) float acc[kChunk * kGroup];
-      int configured0 = -1, configured1 = -1;
       for (int64_t g = begin; g < end; ++g) {
         const bf16* wg = w + g * steps * kStepElems;
-        for (int64_t m0 = b0; m0 < b0 + b_rows; m0 += kChunk) {
-          const int chunk = static_cast<int>(std::min(kChunk, b0 + b_rows - m0));
-          const int rows0 = std::min(chunk, 16), rows1 = chunk - rows0;
-          if (rows0 != configured0 || rows1 != configured1) {  // the config is per thread, and oneDNN sets its own
-            configure(rows0, rows1);
-            configured0 = rows0;
-            configured1 = rows1;
-          }
-          if (m0 == b0) {
-            chunk_by_group<true>(x + m0 * ldx, ldx, rows0, rows1, wg, steps, acc);
-          } else {
-            chunk_by_group<false>(x + m0 * ldx, ldx, rows0, rows1, wg, steps, acc);
-          }
+        for (int64_t m0 = b0; m0 < b_end; m0 += kChunk) {
+          const int chunk = static_cast<int>(std::min(kChunk, b_end - m0));
+          chunks(x + m0 * ldx, ldx, chunk, wg, steps, m0 == b0, acc);
           write_rows(acc, chunk, std::min(kGroup, n - g * kGroup), y + m0 * n + g * kGroup, n);
         }
       }
-      _tile_release();
     });
   }
-}
-
-#endif
-
-// The same layout without tiles: what TDPBF16PS computes, one row of x at a time.
-void portable_kernel(const bf16* x, int64_t rows, int64_t ldx, const bf16* w, int64_t groups, int64_t steps, int64_t n,
-                     bf16* y) {
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[kChunk * kGroup];
-    for (int64_t g = begin; g < end; ++g) {
-      const bf16* wg = w + g * steps * kStepElems;
-      for (int64_t m0 = 0; m0 < rows; m0 += kChunk) {
-        const int chunk = static_cast<int>(std::min(kChunk, rows - m0));
-        std::fill(acc, acc + kChunk * kGroup, 0.f);
-        for (int m = 0; m < chunk; ++m) {
-          const bf16* xr = x + (m0 + m) * ldx;
-          float* a = acc + m * kGroup;
-          for (int64_t s = 0; s < steps; ++s) {
-            for (int t = 0; t < 2; ++t) {
-              const bf16* b = wg + s * kStepElems + t * (kStepElems / 2);
-              for (int r = 0; r < 16; ++r) {
-                const float x0 = xr[s * kStep + 2 * r], x1 = xr[s * kStep + 2 * r + 1];
-                for (int c = 0; c < 16; ++c) a[16 * t + c] += x0 * float(b[r * 32 + 2 * c]) + x1 * float(b[r * 32 + 2 * c + 1]);
-              }
-            }
-          }
-        }
-        write_rows(acc, chunk, std::min(kGroup, n - g * kGroup), y + m0 * n + g * kGroup, n);
-      }
-    }
-  });
 }
 
 }  // namespace
@@ -198,11 +202,11 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const int64_t rows = xc.size(0), ldx = xc.stride(0), groups = packed.size(0), steps = packed.size(1);
 #if defined(PDSERVE_AMX)
   if (pdserve_amx::ready()) {
-    amx_kernel(xp, rows, ldx, wp, groups, steps, out_features, yp);
+    by_groups<AmxChunks>(xp, rows, ldx, wp, groups, steps, out_features, yp);
     return y;
   }
 #endif
-  portable_kernel(xp, rows, ldx, wp, groups, steps, out_features, yp);
+  by_groups<PortableChunks>(xp, rows, ldx, wp, groups, steps, out_features, yp);
   return y;
 }
 
