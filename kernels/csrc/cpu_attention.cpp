@@ -228,55 +228,43 @@ inline bool wide_applies(const Geometry& geo) {
 #endif
 }
 
-// Whether the wide scores take q as it came, in bfloat16 (vdpbf16ps), instead of scaled float32.
-template <typename T>
-inline bool bf16_dots(const Geometry& geo) {
-#if defined(__AVX512BF16__)
-  return std::is_same_v<T, c10::BFloat16> && wide_applies(geo) && geo.d % 32 == 0;
-#else
-  (void)geo;
-  return false;
-#endif
-}
+// How the 512-bit path scores (decided once per call): on AMX tiles, with vdpbf16ps on q as it came
+// in bfloat16, or with float32 FMAs on q widened and scaled (every other case).
+enum class Dots { Float, Bf16, Tiles };
 
-// Whether the scores run on AMX tiles (attention_avx512.h TileScores): bf16_dots, and AMX here.
 template <typename T>
-inline bool tile_scores(const Geometry& geo) {
-#if defined(PDSERVE_AMX)
-  return bf16_dots<T>(geo) && pdserve_amx::ready();
-#else
-  (void)geo;
-  return false;
+Dots wide_dots(const Geometry& geo) {
+#if defined(__AVX512BF16__)
+  if (std::is_same_v<T, c10::BFloat16> && wide_applies(geo) && geo.d % 32 == 0)
+    return pdserve_amx::ready() ? Dots::Tiles : Dots::Bf16;
 #endif
+  (void)geo;
+  return Dots::Float;
 }
 
 // The 512-bit loops over `heads` KV heads of one sequence (wide_applies must hold). The query rows
-// come as they are in q_raw where bf16_dots holds, else in float32, scaled, in qf. `tiles` is the
-// scratch of the AMX scores (tile_scores), [heads * group * d + 16 * heads * d].
+// come as they are in q_raw for Bf16 and Tiles dots, else in float32, scaled, in qf. `tiles` is
+// the scratch of the Tiles scores, [heads * group * d + 16 * heads * d].
 template <typename T>
-void attend_wide(const T* q_raw, const float* qf, const T* kp, const T* vp, const int64_t* rows, int64_t ctx,
-                 int64_t heads, const Geometry& geo, float scale, float* scores, float* out, T* tiles) {
+void attend_wide(Dots dots, const T* q_raw, const float* qf, const T* kp, const T* vp, const int64_t* rows,
+                 int64_t ctx, int64_t heads, const Geometry& geo, float scale, float* scores, float* out, T* tiles) {
 #if defined(__AVX512F__)
-#if defined(__AVX512BF16__)
+  const auto scores_with = [&](auto g, const auto& dot, float s) {
+    avx512::scores<decltype(g)::value>(dot, kp, vp, rows, ctx, heads, s, scores);
+  };
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
 #if defined(PDSERVE_AMX)
-    if (tile_scores<T>(geo)) {
-      const avx512::TileScores amx{heads, geo.group, geo.d, tiles, tiles + heads * geo.group * geo.d};
-      amx(q_raw, kp, vp, rows, ctx, scale, scores);
-    } else
+    if (dots == Dots::Tiles)
+      avx512::TileScores{heads, geo.group, geo.d, tiles, tiles + heads * geo.group * geo.d}(q_raw, kp, vp, rows, ctx,
+                                                                                           scale, scores);
 #endif
-    if (bf16_dots<T>(geo))
-      by_group(geo.group, [&](auto g) {
-        constexpr int G = decltype(g)::value;
-        avx512::scores<G>(avx512::Bf16Dot<G>{q_raw, geo.d}, kp, vp, rows, ctx, heads, scale, scores);
-      });
+#if defined(__AVX512BF16__)
+    if (dots == Dots::Bf16)
+      by_group(geo.group, [&](auto g) { scores_with(g, avx512::Bf16Dot<decltype(g)::value>{q_raw, geo.d}, scale); });
+#endif
   }
-#endif
-  if (!bf16_dots<T>(geo))
-    by_group(geo.group, [&](auto g) {
-      constexpr int G = decltype(g)::value;
-      avx512::scores<G>(avx512::WideDot<G, T>{qf, geo.d}, kp, vp, rows, ctx, heads, 1.f, scores);
-    });
+  if (dots == Dots::Float)
+    by_group(geo.group, [&](auto g) { scores_with(g, avx512::WideDot<decltype(g)::value, T>{qf, geo.d}, 1.f); });
   for (int64_t r = 0; r < heads * geo.group; ++r) softmax(scores + r * ctx, ctx);
   by_group(geo.group, [&](auto g) {
     constexpr int G = decltype(g)::value;
@@ -285,7 +273,7 @@ void attend_wide(const T* q_raw, const float* qf, const T* kp, const T* vp, cons
     avx512::weighted_sum<G, 1>(scores, vp, rows, ctx, geo.d, heads, out);
   });
 #else
-  (void)q_raw, (void)qf, (void)kp, (void)vp, (void)rows, (void)ctx, (void)heads, (void)geo, (void)scale;
+  (void)dots, (void)q_raw, (void)qf, (void)kp, (void)vp, (void)rows, (void)ctx, (void)heads, (void)geo, (void)scale;
   (void)scores, (void)out, (void)tiles;
 #endif
 }
@@ -313,8 +301,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   const bool wide = wide_applies(geo);
   const int64_t heads = wide && batch >= 4 * at::get_num_threads() ? hkv : 1;
   const int64_t per_seq = hkv / heads;
-  const bool raw_q = bf16_dots<T>(geo);
-  const int64_t tile_scratch = tile_scores<T>(geo) ? heads * group * d + 16 * heads * d : 0;
+  const Dots dots = wide_dots<T>(geo);
+  const bool raw_q = dots != Dots::Float;
+  const int64_t tile_scratch = dots == Dots::Tiles ? heads * group * d + 16 * heads * d : 0;
 
   at::parallel_for(0, batch * per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(heads * group * d), acc(heads * group * d), scores;
@@ -339,8 +328,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       scores.resize(heads * group * ctx);
       row_offsets(table + b * t_sb, h0, ctx, geo, rows);
       if (wide) {
-        attend_wide(q_raw.data(), qf.data(), kp, vp, rows.data(), ctx, heads, geo, fscale, scores.data(), acc.data(),
-                    tiles.data());
+        attend_wide(dots, q_raw.data(), qf.data(), kp, vp, rows.data(), ctx, heads, geo, fscale, scores.data(),
+                    acc.data(), tiles.data());
       } else {
         scores_dispatch(qf.data(), kp, rows.data(), ctx, geo, scores.data());
         for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * ctx, ctx);
