@@ -63,7 +63,6 @@ inline v8 load8(const c10::BFloat16* p) { return widen_bf16<v8, u16x8, u32x8>(p)
 inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
 inline void store8(c10::BFloat16* p, v8 v) { narrow_bf16<v8, u16x8, u32x8>(p, v); }
 
-
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 
 // exp(x) for x <= 0, a vector at a time, to about 2e-7 relative: x = n ln2 + r with |r| <= ln2/2,
