@@ -8,9 +8,11 @@ session: random per sender (a process's `FrameAuth`), counter: strictly increasi
 time_ms: the sender's wall clock. mac = HMAC-SHA256(key, label | the first 28 bytes | for each
 message frame: its length (8 bytes) and its bytes). `label` names the channel and direction
 ("control>router", "kv>decode", ...), so a frame is never valid on another channel or reflected
-back. The receiver keeps the last counter of each session it has seen (bounded, LRU) and refuses
-a counter that does not grow (replay), a time outside +-`window_s` (an old capture), and a MAC that
-does not verify. Without a key (`--insecure`) nothing is signed and an auth frame is only stripped.
+back. The receiver keeps, per channel label and session (bounded, LRU), the highest counter seen and
+which of the `REPLAY_WINDOW` counters below it arrived (the sliding window of IPsec's anti-replay,
+RFC 4303 3.4.3), so frames one sender's threads sealed in one order and sent in another still
+pass. It refuses a counter seen before or older than the window (replay), a time outside
++-`window_s` (an old capture), and a MAC that does not verify. Without a key (`--insecure`) nothing is signed and an auth frame is only stripped.
 
 No zmq and no torch here: frames are bytes-like (bytes, memoryview, zmq.Frame.buffer).
 """
@@ -29,7 +31,9 @@ from collections.abc import Callable, Sequence
 MAGIC = b"PDA1"
 _PREFIX = struct.Struct(">4s8sQQ")  # magic, session, counter, time_ms
 AUTH_FRAME_BYTES = _PREFIX.size + 32
-MAX_SESSIONS = 4096  # senders remembered for replay protection (LRU beyond)
+MAX_SESSIONS = 4096  # (label, sender) pairs remembered for replay protection (LRU beyond)
+REPLAY_WINDOW = 1024  # counters below the highest seen that may still arrive late, once each
+_WINDOW_MASK = (1 << REPLAY_WINDOW) - 1
 
 # Reasons a frame is refused (the `reason` label of the rejection counters).
 NO_MAC, MALFORMED, BAD_MAC, REPLAY, STALE = "no_mac", "malformed", "bad_mac", "replay", "stale"
@@ -71,7 +75,8 @@ class FrameAuth:
         self.session = secrets.token_bytes(8)
         self._clock = clock
         self._counter = 0
-        self._seen: OrderedDict[bytes, int] = OrderedDict()
+        # (label, session) -> (highest counter seen, bit i set: counter highest - i arrived)
+        self._seen: OrderedDict[tuple[bytes, bytes], tuple[int, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     @classmethod
@@ -108,14 +113,28 @@ class FrameAuth:
         if skew > self.window_s:
             raise AuthError(STALE, f"timestamp {skew:.0f} s away from now (window {self.window_s:.0f} s)")
         with self._lock:
-            last = self._seen.get(session, 0)
-            if counter <= last:
-                raise AuthError(REPLAY, f"counter {counter} of session {session.hex()} already seen")
-            self._seen[session] = counter
-            self._seen.move_to_end(session)
-            if len(self._seen) > MAX_SESSIONS:
-                self._seen.popitem(last=False)
+            self._accept_once(label, session, counter)
         return body
+
+    def _accept_once(self, label: bytes, session: bytes, counter: int) -> None:
+        """Record `counter` of (label, session), refusing one seen before or below the window."""
+        key = (label, session)
+        highest, arrived = self._seen.get(key, (0, 0))
+        ahead = counter - highest
+        if ahead > 0:
+            arrived = ((arrived << ahead) | 1) & _WINDOW_MASK if ahead < REPLAY_WINDOW else 1
+            highest = counter
+        elif -ahead >= REPLAY_WINDOW:
+            raise AuthError(REPLAY, f"counter {counter} of session {session.hex()} is {-ahead} behind "
+                                    f"its newest, outside the window of {REPLAY_WINDOW}")
+        elif arrived >> -ahead & 1:
+            raise AuthError(REPLAY, f"counter {counter} of session {session.hex()} already seen")
+        else:
+            arrived |= 1 << -ahead
+        self._seen[key] = (highest, arrived)
+        self._seen.move_to_end(key)
+        if len(self._seen) > MAX_SESSIONS:
+            self._seen.popitem(last=False)
 
     def _mac(self, label: bytes, prefix: bytes, frames: Sequence[Buffer]) -> bytes:
         assert self.key is not None

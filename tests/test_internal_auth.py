@@ -20,6 +20,7 @@ from pdserve.protocol.auth import (
     CONTROL_TO_ROUTER,
     CONTROL_TO_WORKER,
     REPLAY,
+    REPLAY_WINDOW,
     STALE,
     AuthError,
     FrameAuth,
@@ -54,6 +55,39 @@ def test_sealed_frames_open_once_and_a_replay_is_refused():
     with pytest.raises(AuthError) as err:
         receiver.open(CONTROL_TO_ROUTER, frames)
     assert err.value.reason == REPLAY
+
+
+def test_frames_sealed_in_one_order_and_sent_in_another_each_open_once():
+    # Two threads of one sender can seal 1 and 2 and send 2 first: both must pass, neither twice.
+    sender, receiver = FrameAuth.from_secret(SECRET), FrameAuth.from_secret(SECRET)
+    sealed = [sender.seal(CONTROL_TO_ROUTER, [str(i).encode()]) for i in range(6)]
+    for i in (1, 0, 4, 2, 5, 3):
+        assert bytes(receiver.open(CONTROL_TO_ROUTER, sealed[i])[0]) == str(i).encode()
+    for frames in sealed:
+        with pytest.raises(AuthError) as err:
+            receiver.open(CONTROL_TO_ROUTER, frames)
+        assert err.value.reason == REPLAY
+
+
+def test_a_frame_further_behind_than_the_window_is_refused():
+    sender, receiver = FrameAuth.from_secret(SECRET), FrameAuth.from_secret(SECRET)
+    late = sender.seal(CONTROL_TO_ROUTER, [b"late"])
+    sealed = [sender.seal(CONTROL_TO_ROUTER, [b"x"]) for _ in range(REPLAY_WINDOW)]
+    receiver.open(CONTROL_TO_ROUTER, sealed[-1])
+    receiver.open(CONTROL_TO_ROUTER, sealed[0])  # REPLAY_WINDOW - 1 behind: still inside
+    with pytest.raises(AuthError) as err:
+        receiver.open(CONTROL_TO_ROUTER, late)
+    assert err.value.reason == REPLAY and "outside the window" in str(err.value)
+
+
+def test_one_process_at_both_ends_of_a_plane_keeps_each_direction_apart():
+    # A router and a worker in one process (as in the test harness) share one FrameAuth: a frame
+    # it opened in one direction must not make an earlier-sealed frame of the other look replayed.
+    both = FrameAuth.from_secret(SECRET)
+    to_worker = both.seal(CONTROL_TO_WORKER, [b"ack"])
+    to_router = both.seal(CONTROL_TO_ROUTER, [b"heartbeat"])
+    assert bytes(both.open(CONTROL_TO_ROUTER, to_router)[0]) == b"heartbeat"
+    assert bytes(both.open(CONTROL_TO_WORKER, to_worker)[0]) == b"ack"
 
 
 def test_a_frame_is_refused_under_another_secret_another_label_or_altered():
