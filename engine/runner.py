@@ -14,7 +14,7 @@ import os
 import torch
 
 from pdserve.config.engine import EngineConfig
-from pdserve.engine.host_memory import keep_step_memory
+from pdserve.engine.host_memory import keep_step_memory, zeros_on_huge_pages
 from pdserve.engine.kv_cache import BlockIds, gather_blocks, scatter_blocks
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SampleResult
@@ -60,8 +60,10 @@ class ModelRunner:
         if self.compiled_decode:
             self.model.use_compiled_decode(self.compiled_ops)
         m = model_config
-        self.kv_cache = torch.zeros(
-            (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim), dtype=self.dtype, device=self.device
+        shape = (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        self.kv_cache = (
+            zeros_on_huge_pages(shape, self.dtype) if self.device.type == "cpu"
+            else torch.zeros(shape, dtype=self.dtype, device=self.device)
         )
         self.sampler = Sampler()
 
