@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args(argv)
-    ops = cpu_ops.load()
+    ops: Any = cpu_ops.load()  # torch.ops.pdserve_cpu
     if ops is None:
         raise SystemExit("the compiled CPU kernels did not build here (see the log above)")
     torch.set_num_threads(args.threads)
