@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.host_memory import zeros_on_huge_pages
 from pdserve.kernels import cpu_ops
+from pdserve.kernels.huge_pages import zeros_on_huge_pages
 
 
 def main(argv: list[str] | None = None) -> None:

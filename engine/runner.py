@@ -14,7 +14,7 @@ import os
 import torch
 
 from pdserve.config.engine import EngineConfig
-from pdserve.engine.host_memory import keep_step_memory, zeros_on_huge_pages
+from pdserve.engine.host_memory import keep_step_memory
 from pdserve.engine.kv_cache import BlockIds, gather_blocks, scatter_blocks
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SampleResult
@@ -22,6 +22,7 @@ from pdserve.engine.scheduler import ScheduledRequest
 from pdserve.kernels.backends import get_backend
 from pdserve.kernels.cpu_backend import COMPILED_DTYPES, CpuBackend
 from pdserve.kernels.cpu_linear import amx_tiles_run
+from pdserve.kernels.huge_pages import zeros_on_huge_pages
 from pdserve.model.attention_metadata import AttentionMetadata
 from pdserve.model.config import ModelConfig, cpu_has_avx512, resolve_dtype, torch_dtype
 from pdserve.model.llama import CPU_LINEAR_ENV, LlamaForCausalLM, onednn_linear_available

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import cpu_linear
+from pdserve.kernels.huge_pages import copies_on_huge_pages
 from pdserve.kernels.interface import AttentionBackend
 from pdserve.model.attention_metadata import AttentionMetadata
 from pdserve.model.config import ModelConfig
@@ -323,6 +324,11 @@ class LlamaForCausalLM(nn.Module):
                 m.pack_panels(ops)
             else:
                 m.pack_tiles(ops, onednn=layout == "tiles+onednn")
+        # The compiled kernels' copies, streamed whole at every decode step: on huge pages.
+        name = {"panels": "panels", "tiles": "tiles", "tiles+onednn": "tiles"}.get(layout)
+        if name is not None:
+            for m, copy in zip(linears, copies_on_huge_pages([getattr(m, name) for m in linears]), strict=True):
+                setattr(m, name, copy)
         return len(linears)
 
     def tiles_fit(self) -> bool:

@@ -1,0 +1,65 @@
+"""Tensors on transparent huge pages, for the CPU data every decode step streams whole.
+
+The KV cache is allocated once and read all over at every decode step. On 4 KiB pages a decode
+step at batch 32 walks some 46,000 pages of it, and the hardware prefetchers stop at every page
+boundary. `zeros_on_huge_pages` maps it anonymously and asks for transparent huge pages
+(`madvise(MADV_HUGEPAGE)`, which works where the kernel's policy is `madvise` or `always`). On a
+2-core Sapphire Rapids, 30 layers of decode attention at batch 32, context 256, from DRAM
+(`python -m pdserve.bench.cpu_attention_bench`) took 16.1 ms instead of 20.9 with each sequence's
+blocks side by side, and 18.0 ms instead of 26.1 with its blocks three apart, as a long-running
+server's free list leaves them.
+
+The packed weights of the compiled matmuls go the same way, all of them side by side in one
+mapping (`copies_on_huge_pages`; most projections are smaller than a huge page). Their matmuls at
+one row, every projection and the LM head from DRAM, took a median of 14.0 ms instead of 16.2
+over 21 alternating rounds on the same machine (the best rounds equal).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+
+import torch
+
+log = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 * 2**20  # x86-64's transparent huge page
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor in an anonymous mapping advised for transparent huge pages (see the
+    module docstring), its data starting on a huge page boundary. Where mmap has no
+    MADV_HUGEPAGE (not Linux) or the tensor is smaller than a huge page: plain `torch.zeros`."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or nbytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype)
+    # Private: a shared anonymous mapping is shmem, whose huge pages follow another policy (shmem_enabled).
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
+    base = torch.frombuffer(mapping, dtype=torch.uint8)  # holds `mapping` open while it lives
+    start = -base.data_ptr() % HUGE_PAGE
+    try:
+        mapping.madvise(advice, start, nbytes - nbytes % mmap.PAGESIZE)
+    except OSError as e:  # EINVAL where the kernel has no transparent huge pages
+        log.info("no transparent huge pages for a %d MB tensor: %s", nbytes >> 20, e)
+    out = base[start:start + nbytes].view(dtype).view(shape)
+    out.zero_()  # touch every page now: faults (and compaction) at start-up, not in a step
+    return out
+
+
+def copies_on_huge_pages(tensors: list[torch.Tensor], align: int = 4096) -> list[torch.Tensor]:
+    """Contiguous copies of CPU `tensors` side by side (each at an `align`-byte boundary) in one
+    zeros_on_huge_pages mapping, which lives as long as any of them."""
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // align) * align
+    arena = zeros_on_huge_pages((total,), torch.uint8)
+    copies = []
+    for t, at in zip(tensors, offsets, strict=True):
+        copy = arena[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        copy.copy_(t)
+        copies.append(copy)
+    return copies

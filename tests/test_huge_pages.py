@@ -1,0 +1,111 @@
+"""The KV cache and the compiled matmuls' packed weights on transparent huge pages
+(kernels/huge_pages.py). What that buys is a benchmark's business (bench/cpu_attention_bench.py);
+here: the tensors are right, writable, and in mappings advised for huge pages."""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import pytest
+import torch
+
+from pdserve.kernels.huge_pages import HUGE_PAGE, copies_on_huge_pages, zeros_on_huge_pages
+
+
+def vm_flags(address: int) -> list[str] | None:
+    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps), if any."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    return None
+
+
+def thp_policy() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except OSError:
+        return None
+
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps are Linux's")
+
+
+@linux
+def test_zeros_on_huge_pages_is_a_zeroed_writable_tensor_advised_for_huge_pages():
+    shape = (3, 2, 1000, 16, 2, 64)
+    t = zeros_on_huge_pages(shape, torch.bfloat16)
+    assert t.shape == shape and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % HUGE_PAGE == 0
+    assert not t.any()
+    t[1, 1, 999] = 2.0
+    assert t.sum().item() == 2.0 * 16 * 2 * 64
+    flags = vm_flags(t.data_ptr())
+    assert flags is not None
+    # "hg": MADV_HUGEPAGE was taken; kernels without transparent huge pages refuse the advice.
+    assert ("hg" in flags) == (thp_policy() is not None)
+
+
+@linux
+def test_a_tensor_smaller_than_a_huge_page_is_plain_zeros():
+    t = zeros_on_huge_pages((100, 7), torch.float32)
+    assert t.shape == (100, 7) and not t.any()
+    assert "hg" not in (vm_flags(t.data_ptr()) or [])
+
+
+@linux
+def test_the_cpu_engines_kv_cache_lives_on_huge_pages_and_outlives_its_mapping_name(tiny):
+    from pdserve.config.engine import EngineConfig
+    from pdserve.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model="tiny", num_kv_blocks=4096, dtype="float32"), loaded=tiny)
+    kv = engine.runner.kv_cache
+    gc.collect()  # the mmap object is referenced only through the tensor's storage
+    kv.view(-1)[-1] = 1.0
+    assert kv.view(-1)[-1].item() == 1.0
+    assert ("hg" in (vm_flags(kv.data_ptr()) or [])) == (thp_policy() is not None)
+
+
+@linux
+def test_copies_on_huge_pages_equal_their_originals_side_by_side_in_one_mapping():
+    originals = [torch.randn(576, 960).to(torch.bfloat16), torch.randn(7, 3), torch.arange(10**6, dtype=torch.int32)]
+    copies = copies_on_huge_pages(originals)
+    for o, c in zip(originals, copies, strict=True):
+        assert c.dtype == o.dtype and c.shape == o.shape and c.is_contiguous() and torch.equal(c, o)
+        assert c.data_ptr() % 4096 == 0 and c.data_ptr() != o.data_ptr()
+    starts = [c.data_ptr() for c in copies]
+    assert starts == sorted(starts) and starts[-1] - starts[0] < 2 * 2**20
+    del originals
+    gc.collect()
+    copies[1].fill_(5.0)  # each copy is its own slice of the mapping
+    assert copies[1].sum().item() == 105.0 and copies[2][-1].item() == 10**6 - 1
+    assert ("hg" in (vm_flags(starts[0]) or [])) == (thp_policy() is not None)
+
+
+@linux
+@pytest.mark.parametrize("layout, attr, dtype", [("tiles", "tiles", "bfloat16"), ("panels", "panels", "float32")])
+def test_packed_weights_of_the_compiled_matmuls_share_one_huge_page_mapping(tiny, ops, layout, attr, dtype):
+    from pdserve.config.engine import EngineConfig
+    from pdserve.engine.engine import Engine
+    from pdserve.model.llama import Linear
+
+    model = Engine(EngineConfig(model="tiny", num_kv_blocks=16, dtype=dtype), loaded=tiny).runner.model
+    weights = {id(m): m.weight.detach().clone() for m in model.modules() if isinstance(m, Linear)}
+    model.pack_cpu_linears(layout, ops)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    packed = [getattr(m, attr) for m in linears]
+    span = sum(p.numel() * p.element_size() + 4096 for p in packed)
+    first = min(p.data_ptr() for p in packed)
+    assert all(0 <= p.data_ptr() - first < span for p in packed)
+    assert ("hg" in (vm_flags(first) or [])) == (thp_policy() is not None)
+    x = {m.weight.shape[1]: torch.randn(3, m.weight.shape[1]).to(m.weight.dtype) for m in linears}
+    for m in linears:  # the moved copies still compute each projection
+        want = (x[m.weight.shape[1]].float() @ weights[id(m)].float().t())
+        torch.testing.assert_close(m(x[m.weight.shape[1]]).float(), want, rtol=2e-2, atol=2e-2)
