@@ -3,7 +3,8 @@
 The KV cache is allocated once and read all over at every decode step. On 4 KiB pages a decode
 step at batch 32 walks some 46,000 pages of it, and the hardware prefetchers stop at every page
 boundary. `zeros_on_huge_pages` maps it anonymously and asks for transparent huge pages
-(`madvise(MADV_HUGEPAGE)`, which works where the kernel's policy is `madvise` or `always`). On a
+(`madvise(MADV_HUGEPAGE)`, which works where the kernel's policy is `madvise` or `always`), its
+pages faulted in as the cache fills, not at start-up (see `zeros_on_huge_pages`). On a
 2-core Sapphire Rapids, 30 layers of decode attention at batch 32, context 256, from DRAM
 (`python -m pdserve.bench.cpu_attention_bench`) took 16.1 ms instead of 20.9 with each sequence's
 blocks side by side, and 18.0 ms instead of 26.1 with its blocks three apart, as a long-running
@@ -44,9 +45,11 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
         mapping.madvise(advice, start, nbytes - nbytes % mmap.PAGESIZE)
     except OSError as e:  # EINVAL where the kernel has no transparent huge pages
         log.info("no transparent huge pages for a %d MB tensor: %s", nbytes >> 20, e)
-    out = base[start:start + nbytes].view(dtype).view(shape)
-    out.zero_()  # touch every page now: faults (and compaction) at start-up, not in a step
-    return out
+    # Not touched here: the mapping reads as zeros already, and faulting in huge pages can mean
+    # compacting memory first (the kernel's `defrag` policy for advised mappings), which on a
+    # fragmented 2-core VM took up to 7 ms a page: zeroing a 1 GB KV cache at start-up took up to
+    # 6 s and made a restarted worker miss the chaos test's 10 s. Each page faults in on first use.
+    return base[start:start + nbytes].view(dtype).view(shape)
 
 
 def copies_on_huge_pages(tensors: list[torch.Tensor], align: int = 4096) -> list[torch.Tensor]:
