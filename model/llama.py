@@ -325,8 +325,8 @@ class LlamaForCausalLM(nn.Module):
             else:
                 m.pack_tiles(ops, onednn=layout == "tiles+onednn")
         # The compiled kernels' copies, streamed whole at every decode step: on huge pages.
-        name = {"panels": "panels", "tiles": "tiles", "tiles+onednn": "tiles"}.get(layout)
-        if name is not None:
+        name = "tiles" if layout.startswith("tiles") else layout  # the attribute the layout fills
+        if name != "onednn":  # oneDNN's packed copies are opaque tensors: they stay where they are
             for m, copy in zip(linears, copies_on_huge_pages([getattr(m, name) for m in linears]), strict=True):
                 setattr(m, name, copy)
         return len(linears)
