@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     config = EngineConfig(max_num_batched_tokens=1024, max_num_seqs=64, enable_prefix_caching=False, dtype=args.dtype,
                           attention_backend=args.attention_backend)
     engine = Engine(config, loaded=loaded)
+    if engine.runner.kv_fault_in is not None:  # a server's steady state: its KV cache resident
+        engine.runner.kv_fault_in.join()
     if args.profile:
         if args.per_op:
             engine.runner.model.use_compiled_decode(None)

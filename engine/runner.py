@@ -22,7 +22,7 @@ from pdserve.engine.scheduler import ScheduledRequest
 from pdserve.kernels.backends import get_backend
 from pdserve.kernels.cpu_backend import COMPILED_DTYPES, CpuBackend
 from pdserve.kernels.cpu_linear import amx_tiles_run
-from pdserve.kernels.huge_pages import zeros_on_huge_pages
+from pdserve.kernels.huge_pages import fault_in_at_idle, zeros_on_huge_pages
 from pdserve.model.attention_metadata import AttentionMetadata
 from pdserve.model.config import ModelConfig, cpu_has_avx512, resolve_dtype, torch_dtype
 from pdserve.model.llama import CPU_LINEAR_ENV, LlamaForCausalLM, onednn_linear_available
@@ -66,6 +66,8 @@ class ModelRunner:
             zeros_on_huge_pages(shape, self.dtype) if self.device.type == "cpu"
             else torch.zeros(shape, dtype=self.dtype, device=self.device)
         )
+        # Its pages fault in on a thread at idle priority, lowest blocks first (None: nothing to do).
+        self.kv_fault_in = fault_in_at_idle(self.kv_cache) if self.device.type == "cpu" else None
         self.sampler = Sampler()
 
     def _pack_cpu_linears(self) -> str:

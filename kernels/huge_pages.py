@@ -18,9 +18,15 @@ over 21 alternating rounds on the same machine (the best rounds equal).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import mmap
+import os
+import sys
+import threading
+import time
+import weakref
 
 import torch
 
@@ -66,3 +72,60 @@ def copies_on_huge_pages(tensors: list[torch.Tensor], align: int = 4096) -> list
         copy.copy_(t)
         copies.append(copy)
     return copies
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable, their contents unchanged
+
+
+def fault_in_at_idle(cache: torch.Tensor, block_dim: int = 2) -> threading.Thread | None:
+    """Fault in the pages of a block-paged cache on a background thread at idle priority
+    (SCHED_IDLE: it runs only on a core nothing else wants), lowest block ids first, the order
+    the block pool hands them out. For each run of blocks that fills a huge page, every region
+    in front of `block_dim` (for the KV cache [L, 2, blocks, ...]: each layer's keys and values)
+    is faulted in together, so the first requests find their blocks' pages already there.
+
+    Why: `zeros_on_huge_pages` leaves the cache untouched at start-up, and a page's first write
+    costs far more than its reads. On a 2-core Sapphire Rapids VM a 256-token prefill into fresh
+    pages took 136 ms against 85 into pages faulted in before, and a 1,024-token one 596 against
+    289 (the guest zeroes each 2 MB page and the host backs it 4 KiB at a time: faulting in a
+    1 GB cache took 4.6 s). `madvise(MADV_POPULATE_WRITE)` faults pages in without changing
+    what they hold, so pages already in use are safe. Returns the thread, or None where there
+    is nothing to do (not Linux, or a cache smaller than a huge page)."""
+    nbytes = cache.numel() * cache.element_size()
+    if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE or not cache.is_contiguous():
+        return None
+    regions = math.prod(cache.shape[:block_dim])
+    num_blocks = cache.shape[block_dim]
+    block_bytes = nbytes // (regions * num_blocks)
+    blocks_per_chunk = max(1, HUGE_PAGE // block_bytes)
+    thread = threading.Thread(
+        target=_fault_in, name="kv-fault-in", daemon=True,
+        args=(weakref.ref(cache), regions, num_blocks, block_bytes, blocks_per_chunk))
+    thread.start()
+    return thread
+
+
+def _fault_in(ref: weakref.ref[torch.Tensor], regions: int, num_blocks: int, block_bytes: int, blocks_per_chunk: int) -> None:
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # Linux: this thread only
+    except (AttributeError, OSError) as e:
+        log.info("KV cache fault-in runs at normal priority: %s", e)
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    page = mmap.PAGESIZE
+    started = time.perf_counter()
+    for first in range(0, num_blocks, blocks_per_chunk):
+        cache = ref()  # held only while a chunk faults in: a dropped engine frees its cache at once
+        if cache is None:
+            return
+        base = cache.data_ptr()
+        for region in range(regions):
+            start = base + (region * num_blocks + first) * block_bytes
+            end = start + min(blocks_per_chunk, num_blocks - first) * block_bytes
+            aligned = start - start % page
+            # ctypes releases the GIL for the call: the engine's Python threads run meanwhile.
+            if madvise(aligned, end - aligned, MADV_POPULATE_WRITE) != 0:
+                log.info("KV cache fault-in stopped: %s", os.strerror(ctypes.get_errno()))
+                return
+        del cache
+    log.info("KV cache faulted in (%d blocks) in %.1f s", num_blocks, time.perf_counter() - started)

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import gc
 import sys
+import weakref
 
 import pytest
 import torch
 
-from pdserve.kernels.huge_pages import HUGE_PAGE, copies_on_huge_pages, zeros_on_huge_pages
+from pdserve.kernels.huge_pages import HUGE_PAGE, copies_on_huge_pages, fault_in_at_idle, zeros_on_huge_pages
 
 
-def vm_flags(address: int) -> list[str] | None:
-    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps), if any."""
+def smaps_field(address: int, field: str) -> list[str] | None:
+    """A field of this process's mapping that holds `address` (/proc/self/smaps), if any."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -22,9 +23,19 @@ def vm_flags(address: int) -> list[str] | None:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
+            elif inside and head == field + ":":
                 return line.split()[1:]
     return None
+
+
+def vm_flags(address: int) -> list[str] | None:
+    return smaps_field(address, "VmFlags")
+
+
+def resident_bytes(address: int) -> int:
+    rss = smaps_field(address, "Rss")  # "<n> kB"
+    assert rss is not None and rss[1] == "kB"
+    return int(rss[0]) * 1024
 
 
 def thp_policy() -> str | None:
@@ -71,6 +82,8 @@ def test_the_cpu_engines_kv_cache_lives_on_huge_pages_and_outlives_its_mapping_n
     kv.view(-1)[-1] = 1.0
     assert kv.view(-1)[-1].item() == 1.0
     assert ("hg" in (vm_flags(kv.data_ptr()) or [])) == (thp_policy() is not None)
+    engine.runner.kv_fault_in.join(timeout=60)  # faulted in at idle priority after start-up
+    assert resident_bytes(kv.data_ptr()) >= kv.numel() * kv.element_size()
 
 
 @linux
@@ -109,3 +122,33 @@ def test_packed_weights_of_the_compiled_matmuls_share_one_huge_page_mapping(tiny
     for m in linears:  # the moved copies still compute each projection
         want = (x[m.weight.shape[1]].float() @ weights[id(m)].float().t())
         torch.testing.assert_close(m(x[m.weight.shape[1]]).float(), want, rtol=2e-2, atol=2e-2)
+
+
+@linux
+def test_fault_in_at_idle_makes_the_cache_resident_and_keeps_what_it_holds():
+    shape = (4, 2, 700, 16, 2, 64)  # 8 regions of 700 blocks of 4 KiB: 22 MB
+    cache = zeros_on_huge_pages(shape, torch.float32)
+    cache[1, 0, 3] = 1.5  # blocks in use before the fault-in starts keep their data
+    cache[3, 1, 699] = -2.0
+    assert resident_bytes(cache.data_ptr()) < cache.numel() * 4 // 2
+    thread = fault_in_at_idle(cache)
+    assert thread is not None and thread.daemon
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert resident_bytes(cache.data_ptr()) >= cache.numel() * 4
+    assert cache[1, 0, 3].eq(1.5).all() and cache[3, 1, 699].eq(-2.0).all()
+    assert cache.abs().sum().item() == (1.5 + 2.0) * 16 * 2 * 64
+
+
+@linux
+def test_fault_in_at_idle_lets_a_dropped_cache_go_and_skips_small_ones():
+    assert fault_in_at_idle(torch.zeros(100, 7)) is None
+    cache = zeros_on_huge_pages((2, 2, 4000, 16, 2, 64), torch.float32)  # 131 MB
+    ref = weakref.ref(cache)
+    thread = fault_in_at_idle(cache)
+    assert thread is not None
+    del cache  # the thread holds the cache only while it faults in one chunk
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    gc.collect()
+    assert ref() is None
