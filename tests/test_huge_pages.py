@@ -11,7 +11,12 @@ import weakref
 import pytest
 import torch
 
-from pdserve.kernels.huge_pages import HUGE_PAGE, copies_on_huge_pages, fault_in_at_idle, zeros_on_huge_pages
+from pdserve.kernels.huge_pages import (
+    HUGE_PAGE,
+    copies_on_huge_pages,
+    fault_in_at_idle,
+    zeros_on_huge_pages,
+)
 
 
 def smaps_field(address: int, field: str) -> list[str] | None:
