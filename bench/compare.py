@@ -74,9 +74,12 @@ def _log_tail(path: Path, n: int = 2000) -> str:
     return ""
 
 
-# Where each kind of server says it is ready: pdserve's router answers /ready 200 once a worker of
-# each role is up; vLLM and llama-server have no /ready (404) but answer /health 200 once their
-# model is loaded (llama-server: 503 while loading).
+# Where each kind of server says it is ready: pdserve's router answers /ready?warm=1 200 once a
+# worker of each role is up and every worker's KV cache is faulted in (kernels/huge_pages.py: a
+# first burst into a cold cache ran 30-50% slower; vLLM zeroes its cache before it is ready); vLLM
+# and llama-server have no /ready (404) but answer /health 200 once their model is loaded
+# (llama-server: 503 while loading).
+READY_PATH = "/ready?warm=1"
 READY_FALLBACK = "/health"
 
 
@@ -84,7 +87,7 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float, log_path: Pat
     """Poll `url` until it answers 200 and return the URL that did; a 404 there (a server with no
     such endpoint) moves the poll to /health. Fail early if the process exits."""
     deadline = time.monotonic() + timeout_s
-    fallback = httpx.URL(url).copy_with(path=READY_FALLBACK)
+    fallback = httpx.URL(url).copy_with(raw_path=READY_FALLBACK.encode())  # the query dropped too
     with httpx.Client(timeout=2.0) as client:
         while True:
             if proc.poll() is not None:
@@ -125,7 +128,7 @@ def stop(proc: subprocess.Popen, timeout_s: float) -> None:
 
 @contextlib.contextmanager
 def running(dep: Deployment, out_dir: Path, ready_timeout_s: float, stop_timeout_s: float,
-            ready_path: str = "/ready") -> Iterator[Started]:
+            ready_path: str = READY_PATH) -> Iterator[Started]:
     """Start `dep`, yield its base URL and start-up time once ready, and always stop it."""
     port = free_port()
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -51,6 +51,7 @@ class MockConfig:
     chunk_usage: bool = True  # cumulative usage in every chunk when the client asks for it
     final_usage: bool = False  # llama-server: total usage only in the finishing chunk
     ready_delay_ms: float = 0.0
+    warm_delay_ms: float = 0.0  # /ready?warm=1 answers 503 this long after start (pdserve's KV fault-in)
     ready_route: bool = True  # False: no /ready (404), as vLLM and llama-server; /health tells
     api_key: str | None = None  # when set, completions need 'Authorization: Bearer <key>'
 
@@ -74,8 +75,11 @@ def build_app(cfg: MockConfig) -> Starlette:
     async def models(_: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": cfg.model, "object": "model", "owned_by": "mock"}]})
 
-    async def ready(_: Request) -> Response:
-        ok = (time.monotonic() - started) * 1e3 >= cfg.ready_delay_ms
+    async def ready(request: Request) -> Response:
+        up_ms = (time.monotonic() - started) * 1e3
+        ok = up_ms >= cfg.ready_delay_ms
+        if ok and request.query_params.get("warm") and up_ms < cfg.warm_delay_ms:
+            return JSONResponse({"ready": True, "warm": False}, status_code=503)
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     async def health(_: Request) -> Response:
@@ -232,6 +236,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="stream like llama-server: total usage only in the chunk with the finish reason")
     p.add_argument("--ready-delay-ms", type=float, default=_env("ready_delay_ms", 0.0),
                    help="/ready (or, with --no-ready-route, /health) answers 503 for this long after start")
+    p.add_argument("--warm-delay-ms", type=float, default=_env("warm_delay_ms", 0.0),
+                   help="/ready?warm=1 answers 503 for this long after start, as pdserve's router while "
+                        "its workers' KV caches fault in")
     p.add_argument("--no-ready-route", action="store_true",
                    help="serve no /ready, as vLLM and llama-server: /health says when the model is loaded")
     p.add_argument("--api-key", default=_env("api_key", ""), help="require this bearer token")
@@ -241,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = MockConfig(model=args.model, ttft_ms=args.ttft_ms, tbt_ms=args.tbt_ms,
                      tokens_per_chunk=args.tokens_per_chunk, max_concurrency=args.max_concurrency,
                      chunk_usage=not args.no_chunk_usage, final_usage=args.final_usage,
-                     ready_delay_ms=args.ready_delay_ms, ready_route=not args.no_ready_route,
+                     ready_delay_ms=args.ready_delay_ms, warm_delay_ms=args.warm_delay_ms,
+                     ready_route=not args.no_ready_route,
                      api_key=args.api_key or None)
     import uvicorn
 

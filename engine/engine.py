@@ -78,6 +78,7 @@ class EngineLoad(NamedTuple):
     queued_prefill_tokens: int
     running: int
     waiting: int
+    kv_resident: bool = True  # the KV cache's pages are all in (ModelRunner.kv_cache_resident)
 
 
 @dataclass(slots=True)
@@ -265,7 +266,7 @@ class Engine:
     def load(self) -> EngineLoad:
         s = self.scheduler
         return EngineLoad(self.pool.num_available, self.pool.num_blocks, s.num_waiting_tokens,
-                          len(s.running), len(s.waiting))
+                          len(s.running), len(s.waiting), self.runner.kv_cache_resident)
 
     def cache_stats(self) -> dict[str, int]:
         p = self.pool

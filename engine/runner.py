@@ -22,7 +22,7 @@ from pdserve.engine.scheduler import ScheduledRequest
 from pdserve.kernels.backends import get_backend
 from pdserve.kernels.cpu_backend import COMPILED_DTYPES, CpuBackend
 from pdserve.kernels.cpu_linear import amx_tiles_run
-from pdserve.kernels.huge_pages import fault_in_at_idle, zeros_on_huge_pages
+from pdserve.kernels.huge_pages import fault_in_background, zeros_on_huge_pages
 from pdserve.model.attention_metadata import AttentionMetadata
 from pdserve.model.config import ModelConfig, cpu_has_avx512, resolve_dtype, torch_dtype
 from pdserve.model.llama import CPU_LINEAR_ENV, LlamaForCausalLM, onednn_linear_available
@@ -66,9 +66,15 @@ class ModelRunner:
             zeros_on_huge_pages(shape, self.dtype) if self.device.type == "cpu"
             else torch.zeros(shape, dtype=self.dtype, device=self.device)
         )
-        # Its pages fault in on a thread at idle priority, lowest blocks first (None: nothing to do).
-        self.kv_fault_in = fault_in_at_idle(self.kv_cache) if self.device.type == "cpu" else None
+        # Its pages fault in on a background thread, lowest blocks first (None: nothing to do).
+        self.kv_fault_in = fault_in_background(self.kv_cache) if self.device.type == "cpu" else None
         self.sampler = Sampler()
+
+    @property
+    def kv_cache_resident(self) -> bool:
+        """Whether the KV cache's pages are all in (its fault-in thread is done, or there is none):
+        before that, a step's first writes to a page pay for faulting it in."""
+        return self.kv_fault_in is None or not self.kv_fault_in.is_alive()
 
     def _pack_cpu_linears(self) -> str:
         """Pick and pack the CPU matmul (PDSERVE_CPU_LINEAR): AMX tiles, the compiled panel kernel,

@@ -77,20 +77,23 @@ def copies_on_huge_pages(tensors: list[torch.Tensor], align: int = 4096) -> list
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable, their contents unchanged
 
 
-def fault_in_at_idle(cache: torch.Tensor, block_dim: int = 2) -> threading.Thread | None:
-    """Fault in the pages of a block-paged cache on a background thread at idle priority
-    (SCHED_IDLE: it runs only on a core nothing else wants), lowest block ids first, the order
-    the block pool hands them out. For each run of blocks that fills a huge page, every region
-    in front of `block_dim` (for the KV cache [L, 2, blocks, ...]: each layer's keys and values)
-    is faulted in together, so the first requests find their blocks' pages already there.
+def fault_in_background(cache: torch.Tensor, block_dim: int = 2) -> threading.Thread | None:
+    """Fault in the pages of a block-paged cache on a background thread at the lowest priority
+    (nice 19), lowest block ids first, the order the block pool hands them out. For each run of
+    blocks that fills a huge page, every region in front of `block_dim` (for the KV cache
+    [L, 2, blocks, ...]: each layer's keys and values) is faulted in together.
 
     Why: `zeros_on_huge_pages` leaves the cache untouched at start-up, and a page's first write
     costs far more than its reads. On a 2-core Sapphire Rapids VM a 256-token prefill into fresh
-    pages took 136 ms against 85 into pages faulted in before, and a 1,024-token one 596 against
-    289 (the guest zeroes each 2 MB page and the host backs it 4 KiB at a time: faulting in a
-    1 GB cache took 4.6 s). `madvise(MADV_POPULATE_WRITE)` faults pages in without changing
-    what they hold, so pages already in use are safe. Returns the thread, or None where there
-    is nothing to do (not Linux, or a cache smaller than a huge page)."""
+    pages took 136 ms against 85 into pages faulted in before, a 1,024-token one 596 against 289,
+    and a 64-request burst right after start-up ran at 5.2-5.8 requests/s against 8.1-8.4 fifteen
+    seconds later. The guest zeroes each 2 MB page and the host backs it 4 KiB at a time: 1 GB
+    took 3-9 s where the host had to back it anew, 0.1-0.3 s where it still did. The cost is the
+    host's, so the thread's priority hardly changes it (SCHED_IDLE measured the same); nice 19
+    keeps its guest-side work behind the engine's. `madvise(MADV_POPULATE_WRITE)` faults pages in
+    without changing what they hold, so blocks already in use are safe. Workers report when it is
+    done (`ModelRunner.kv_cache_resident`, the router's /ready?warm=1). Returns the thread, or None
+    where there is nothing to do (not Linux, or a cache smaller than a huge page)."""
     nbytes = cache.numel() * cache.element_size()
     if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE or not cache.is_contiguous():
         return None
@@ -106,8 +109,8 @@ def fault_in_at_idle(cache: torch.Tensor, block_dim: int = 2) -> threading.Threa
 
 
 def _fault_in(ref: weakref.ref[torch.Tensor], regions: int, num_blocks: int, block_bytes: int, blocks_per_chunk: int) -> None:
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # Linux: this thread only
+    try:  # Linux: a thread id names this thread alone
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError) as e:
         log.info("KV cache fault-in runs at normal priority: %s", e)
     madvise = ctypes.CDLL(None, use_errno=True).madvise

@@ -87,6 +87,8 @@ class Heartbeat(_Msg, tag="heartbeat", frozen=True):
     running: int
     waiting: int
     draining: bool = False
+    # False while the worker's KV cache is still faulting in (a first burst would pay for it).
+    kv_resident: bool = True
     # Cumulative since the worker started (the router turns them into Prometheus counters).
     kv_bytes_sent: int = 0
     kv_bytes_received: int = 0

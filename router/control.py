@@ -358,6 +358,7 @@ class ControlServer:
         m, labels = self.metrics, (w.worker_id, w.role)
         m.kv_blocks_free.labels(*labels).set(msg.free_blocks)
         m.kv_blocks_used.labels(*labels).set(msg.total_blocks - msg.free_blocks)
+        m.kv_cache_resident.labels(*labels).set(1 if msg.kv_resident else 0)
         for field, direction in (("kv_bytes_sent", "sent"), ("kv_bytes_received", "received")):
             m.kv_bytes.labels(*labels, direction).inc(_delta(prev_hb, msg, field))
         m.kv_seconds.labels(*labels).inc(_delta(prev_hb, msg, "kv_transfer_seconds"))

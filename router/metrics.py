@@ -83,6 +83,12 @@ class RouterMetrics:
         self.kv_blocks_free = Gauge(
             "pdserve_kv_blocks_free", "Free KV blocks on a worker", ["worker", "role"], registry=r
         )
+        self.kv_cache_resident = Gauge(
+            "pdserve_kv_cache_resident",
+            "1 once a worker's KV cache is faulted in, 0 while its first writes would still fault pages in",
+            ["worker", "role"],
+            registry=r,
+        )
         self.kv_bytes = Counter(
             "pdserve_kv_transfer_bytes",
             "KV bytes moved between workers",
@@ -118,7 +124,7 @@ class RouterMetrics:
             self.queue_depth.dec()
 
     def forget_worker(self, worker: str, role: str) -> None:
-        for gauge in (self.kv_blocks_used, self.kv_blocks_free):
+        for gauge in (self.kv_blocks_used, self.kv_blocks_free, self.kv_cache_resident):
             with contextlib.suppress(KeyError):  # never reported a heartbeat
                 gauge.remove(worker, role)
 

@@ -44,6 +44,7 @@ class WorkerState:
     running: int = 0
     waiting: int = 0
     draining: bool = False
+    kv_resident: bool = False  # as its last heartbeat says; unknown (False) until the first one
     # Sent by the router since the last heartbeat (reset by it).
     pending_tokens: int = 0
     pending_blocks: int = 0
@@ -155,7 +156,7 @@ class Registry:
             msg.running,
             msg.waiting,
         )
-        w.draining = msg.draining
+        w.draining, w.kv_resident = msg.draining, msg.kv_resident
         w.pending_tokens = w.pending_blocks = w.pending_requests = 0
         w.last_heartbeat = msg
         return w

@@ -152,6 +152,7 @@ class FakeWorker:
     heartbeat_interval: float = 0.05
     queued_prefill_tokens: int = 0
     free_blocks: int | None = None
+    kv_resident: bool = True  # heartbeats say so (a real worker: its KV cache faulted in)
     received: list = field(default_factory=list)
     aborted: set[str] = field(default_factory=set)
     fences: list = field(default_factory=list)
@@ -221,6 +222,7 @@ class FakeWorker:
             queued_prefill_tokens=self.queued_prefill_tokens,
             running=len(self._active),
             waiting=0,
+            kv_resident=self.kv_resident,
         )
 
     def _loop(self) -> None:

@@ -118,6 +118,17 @@ def test_compare_waits_on_health_for_a_server_without_ready_and_records_start_up
     assert "start-up s" in (tmp_path / "compare.md").read_text()
 
 
+def test_compare_waits_until_pdserve_says_its_kv_caches_are_warm(tmp_path, monkeypatch):
+    """pdserve's /ready?warm=1 answers 503 while its workers' KV caches fault in: the run starts
+    after that, and start-up counts it (vLLM zeroes its cache before it answers ready)."""
+    monkeypatch.chdir(ROOT)
+    code = main(["compare", "--deployment", f"ours={MOCK} --ready-delay-ms 200 --warm-delay-ms 1200 --ttft-ms 10 --tbt-ms 2",
+                 "--ready-timeout", "20", "--output-dir", str(tmp_path), "--no-plots", *FAST])
+    assert code == 0
+    results = json.loads((tmp_path / "compare.json").read_text())["deployments"]
+    assert results["ours"]["completed"] == 6 and results["ours"]["startup_s"] >= 1.2
+
+
 def test_options_take_defaults_from_pdserve_env_vars(monkeypatch):
     monkeypatch.setenv("PDSERVE_REQUEST_RATE", "7")
     monkeypatch.setenv("PDSERVE_SLO", "ttft=250ms")

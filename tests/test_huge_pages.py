@@ -14,7 +14,7 @@ import torch
 from pdserve.kernels.huge_pages import (
     HUGE_PAGE,
     copies_on_huge_pages,
-    fault_in_at_idle,
+    fault_in_background,
     zeros_on_huge_pages,
 )
 
@@ -87,8 +87,9 @@ def test_the_cpu_engines_kv_cache_lives_on_huge_pages_and_outlives_its_mapping_n
     kv.view(-1)[-1] = 1.0
     assert kv.view(-1)[-1].item() == 1.0
     assert ("hg" in (vm_flags(kv.data_ptr()) or [])) == (thp_policy() is not None)
-    engine.runner.kv_fault_in.join(timeout=60)  # faulted in at idle priority after start-up
+    engine.runner.kv_fault_in.join(timeout=60)  # faulted in in the background after start-up
     assert resident_bytes(kv.data_ptr()) >= kv.numel() * kv.element_size()
+    assert engine.runner.kv_cache_resident and engine.load().kv_resident  # what heartbeats report
 
 
 @linux
@@ -130,13 +131,13 @@ def test_packed_weights_of_the_compiled_matmuls_share_one_huge_page_mapping(tiny
 
 
 @linux
-def test_fault_in_at_idle_makes_the_cache_resident_and_keeps_what_it_holds():
+def test_fault_in_background_makes_the_cache_resident_and_keeps_what_it_holds():
     shape = (4, 2, 700, 16, 2, 64)  # 8 regions of 700 blocks of 4 KiB: 22 MB
     cache = zeros_on_huge_pages(shape, torch.float32)
     cache[1, 0, 3] = 1.5  # blocks in use before the fault-in starts keep their data
     cache[3, 1, 699] = -2.0
     assert resident_bytes(cache.data_ptr()) < cache.numel() * 4 // 2
-    thread = fault_in_at_idle(cache)
+    thread = fault_in_background(cache)
     assert thread is not None and thread.daemon
     thread.join(timeout=60)
     assert not thread.is_alive()
@@ -146,11 +147,11 @@ def test_fault_in_at_idle_makes_the_cache_resident_and_keeps_what_it_holds():
 
 
 @linux
-def test_fault_in_at_idle_lets_a_dropped_cache_go_and_skips_small_ones():
-    assert fault_in_at_idle(torch.zeros(100, 7)) is None
+def test_fault_in_background_lets_a_dropped_cache_go_and_skips_small_ones():
+    assert fault_in_background(torch.zeros(100, 7)) is None
     cache = zeros_on_huge_pages((2, 2, 4000, 16, 2, 64), torch.float32)  # 131 MB
     ref = weakref.ref(cache)
-    thread = fault_in_at_idle(cache)
+    thread = fault_in_background(cache)
     assert thread is not None
     del cache  # the thread holds the cache only while it faults in one chunk
     thread.join(timeout=60)

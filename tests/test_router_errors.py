@@ -189,6 +189,24 @@ def test_ready_waits_for_the_expected_workers_so_a_first_burst_is_not_all_fallba
         assert c.get("/ready").status_code == 200
 
 
+def test_ready_with_warm_waits_for_every_workers_kv_cache_to_be_faulted_in():
+    """Plain /ready answers once workers are in; /ready?warm=1 also waits until each one's
+    heartbeat says its KV cache is resident (what `pdserve bench compare` waits for), and
+    /metrics shows each worker's state."""
+    with RouterHarness() as h, httpx.Client(base_url=h.base_url) as c:
+        w = h.worker("colo-0", kv_resident=False)
+        h.wait_until(lambda: h.service.registry.workers["colo-0"].last_heartbeat is not None)
+        r = c.get("/ready")
+        assert r.status_code == 200 and r.json()["warm"] is False
+        r = c.get("/ready", params={"warm": "1"})
+        assert r.status_code == 503 and r.json() == {"status": "warming", "workers": 1, "cold": ["colo-0"]}
+        assert 'pdserve_kv_cache_resident{role="colocated",worker="colo-0"} 0.0' in c.get("/metrics").text
+        w.kv_resident = True
+        assert h.wait_until(lambda: c.get("/ready", params={"warm": "1"}).status_code == 200)
+        assert c.get("/ready", params={"warm": "1"}).json() == {"status": "ready", "workers": 1, "warm": True}
+        assert 'pdserve_kv_cache_resident{role="colocated",worker="colo-0"} 1.0' in c.get("/metrics").text
+
+
 def test_api_key_required_when_set():
     with RouterHarness(api_key="s3cret") as h, httpx.Client(base_url=h.base_url) as c:
         h.worker("colo-0")

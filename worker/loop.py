@@ -300,7 +300,7 @@ class Worker(ABC):
         return Heartbeat(
             worker_id=self.worker_id, free_blocks=load.free_blocks, total_blocks=load.total_blocks,
             queued_prefill_tokens=load.queued_prefill_tokens, running=load.running, waiting=load.waiting,
-            draining=self._draining, kv_bytes_sent=sent, kv_bytes_received=received, kv_transfer_seconds=seconds,
+            draining=self._draining, kv_resident=load.kv_resident, kv_bytes_sent=sent, kv_bytes_received=received, kv_transfer_seconds=seconds,
         )
 
     def _live(self) -> bool:
