@@ -285,9 +285,32 @@ class LlamaForCausalLM(nn.Module):
             ops.decoder_layers_(x, weights, positions, self.model.rotary.cos, self.model.rotary.sin, kv_cache,
                                 meta.slot_mapping, meta.decode_seq_lens, meta.decode_block_tables, *dims)
             return self.model.norm(x)
+        norm = self.model.norm
+        if norm.fused is not None:  # the compiled elementwise ops: each residual add with the norm after it
+            return self._fused_layers(x, positions, meta, kv_cache)
         for layer in self.model.layers:
             x = layer(x, positions, self.model.rotary, meta, kv_cache)
-        return self.model.norm(x)
+        return norm(x)
+
+    def _fused_layers(self, x, positions, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The DecoderLayers' maths with each residual add done by the norm that follows it
+        (`add_rms_norm_`: x += y in place, then the norm, in one pass, with the numbers of `x + y`
+        then the norm): the post-attention norm, then the next layer's input norm or the final
+        one. Each `x + y` of the layers read x and y in full twice; x, the embeddings' output,
+        is this step's own."""
+        m = self.model
+        fused = m.norm.fused
+        layers = list(m.layers)
+        if not layers:
+            return m.norm(x)
+        h = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn(h, positions, m.rotary, meta, kv_cache)
+            post = layer.post_attention_layernorm
+            h = fused.add_rms_norm_(x, attn, post.weight, post.eps)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else m.norm
+            h = fused.add_rms_norm_(x, layer.mlp(h), nxt.weight, nxt.eps)
+        return h
 
     def use_fused_ops(self, ops) -> None:
         """Run RMSNorm, SiLU-mul and rotary through these compiled ops (kernels/csrc/

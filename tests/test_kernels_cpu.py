@@ -211,6 +211,24 @@ def test_fused_rms_norm_equals_the_eager_one(backend, dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_add_rms_norm_is_the_residual_add_then_the_norm_to_the_bit(backend, dtype, rows):
+    """x += y in place, rounded as torch's add rounds, and the norm of the sum: bit for bit what
+    `x + y` then rms_norm give (H = 200: sixteen at a time and a tail), so fusing them changes no
+    token; y's rows may be strided."""
+    torch.manual_seed(rows)
+    weight = torch.randn(200).to(dtype)
+    x = (torch.randn(rows, 200) * 3).to(dtype)
+    y = (torch.randn(rows, 300) * 3).to(dtype)[:, 50:250]
+    want_sum = x + y
+    want = backend.ops.rms_norm(want_sum, weight, 1e-5)
+    got = backend.ops.add_rms_norm_(x, y, weight, 1e-5)
+    assert torch.equal(x, want_sum) and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="y must be"):
+        backend.ops.add_rms_norm_(x, y[:, :100], weight, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_silu_mul_equals_the_eager_mlp_activation(backend, dtype):
     gate_up = torch.cat([torch.randn(9, 37) * 4, torch.randn(9, 37)], dim=1)
     gate_up[0, :6] = torch.tensor([-100.0, -30.0, 0.0, 30.0, 100.0, 1e-3])  # the tails of the sigmoid

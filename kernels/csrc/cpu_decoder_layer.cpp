@@ -1,5 +1,6 @@
 // One decoder layer of a decode-only step in one call. The same math in the same order as
-// model/llama.py's DecoderLayer, its oracle:
+// model/llama.py's layers (LlamaForCausalLM.forward with the fused ops, the PyTorch DecoderLayer
+// without them), its oracle:
 //
 //   h = rms_norm(x); q, k, v = split(h Wqkv^T); rotary(q, k); store k, v at their slots
 //   x += attention(q, paged cache) Wo^T
@@ -17,35 +18,60 @@
 
 namespace pdserve_cpu {
 
-void decoder_layer_(at::Tensor x, const at::Tensor& input_norm, const at::Tensor& post_norm, const at::Tensor& qkv,
-                    const at::Tensor& o, const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& positions,
-                    const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-                    const at::Tensor& slot_mapping, const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
-                    double scale) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, H]");
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == x.size(0),
-              "decoder_layer_ runs decode-only steps: one token per sequence, seq_lens [T]");
+namespace {
+
+// One layer from h, its input already normalised: x += attention, then x += MLP, in place. The
+// residual adds go with the norms after them (add_rms_norm_: one pass, the same numbers as
+// `x += y` then rms_norm): the post-attention norm, and, given next_norm, the next layer's input
+// norm, whose output it returns (else an undefined tensor, x updated by a plain add).
+at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tensor& post_norm, const at::Tensor& qkv,
+                             const at::Tensor& o, const at::Tensor& gate_up, const at::Tensor& down,
+                             const at::Tensor* next_norm, const at::Tensor& positions, const at::Tensor& cos,
+                             const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                             const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
+                             const at::Tensor& block_tables, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t intermediate_size, double eps, double scale) {
   const int64_t tokens = x.size(0), hidden = x.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-
-  const at::Tensor qkv_out = project(rms_norm(x, input_norm, eps), qkv, q_size + 2 * kv_size);
+  const at::Tensor qkv_out = project(h, qkv, q_size + 2 * kv_size);
   const at::Tensor q = qkv_out.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
   const at::Tensor k = qkv_out.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
   const at::Tensor v = qkv_out.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
   rotary_(q, k, positions, cos, sin);
   store_kv_(k, v, k_cache, v_cache, slot_mapping);
   const at::Tensor attn = decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale);
-  x.add_(project(attn.view({tokens, q_size}), o, hidden));
+  const at::Tensor h2 = add_rms_norm_(x, project(attn.view({tokens, q_size}), o, hidden), post_norm, eps);
+  const at::Tensor mlp = project(silu_mul(project(h2, gate_up, 2 * intermediate_size)), down, hidden);
+  if (next_norm != nullptr) return add_rms_norm_(x, mlp, *next_norm, eps);
+  x.add_(mlp);
+  return at::Tensor();
+}
 
-  const at::Tensor up = project(rms_norm(x, post_norm, eps), gate_up, 2 * intermediate_size);
-  x.add_(project(silu_mul(up), down, hidden));
+void check_decode_only(const at::Tensor& x, const at::Tensor& seq_lens) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, H]");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == x.size(0),
+              "decoder_layer_ runs decode-only steps: one token per sequence, seq_lens [T]");
+}
+
+}  // namespace
+
+void decoder_layer_(at::Tensor x, const at::Tensor& input_norm, const at::Tensor& post_norm, const at::Tensor& qkv,
+                    const at::Tensor& o, const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& positions,
+                    const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                    const at::Tensor& slot_mapping, const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
+                    double scale) {
+  check_decode_only(x, seq_lens);
+  layer_from_normed(x, rms_norm(x, input_norm, eps), post_norm, qkv, o, gate_up, down, nullptr, positions, cos, sin,
+                    k_cache, v_cache, slot_mapping, seq_lens, block_tables, num_heads, num_kv_heads, head_dim,
+                    intermediate_size, eps, scale);
 }
 
 // Every layer of a decode-only step: decoder_layer_ for each, weights six per layer in its order
 // (input norm, post norm, qkv, o, gate_up, down), kv_cache the engine's [L, 2, blocks, S, Hkv, D].
 // One call from Python instead of one per layer: at batch 1 the 30 calls of SmolLM2 and their
-// argument handling took about 1 ms of a 16 ms step.
+// argument handling took about 1 ms of a 16 ms step. Each layer's last residual add goes with the
+// next layer's input norm; the last layer's add is a plain one (the final norm is the model's).
 void decoder_layers_(at::Tensor x, at::TensorList weights, const at::Tensor& positions, const at::Tensor& cos,
                      const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping,
                      const at::Tensor& seq_lens, const at::Tensor& block_tables, int64_t num_heads,
@@ -53,14 +79,19 @@ void decoder_layers_(at::Tensor x, at::TensorList weights, const at::Tensor& pos
   constexpr int64_t kPerLayer = 6;
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2, "kv_cache must be [L, 2, blocks, S, Hkv, D], got ",
               kv_cache.sizes());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * kv_cache.size(0), "expected ", kPerLayer,
-              " weights for each of ", kv_cache.size(0), " layers, got ", weights.size());
-  for (int64_t l = 0; l < kv_cache.size(0); ++l) {
+  const int64_t layers = kv_cache.size(0);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * layers, "expected ", kPerLayer,
+              " weights for each of ", layers, " layers, got ", weights.size());
+  check_decode_only(x, seq_lens);
+  if (layers == 0) return;
+  at::Tensor h = rms_norm(x, weights[0], eps);
+  for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + kPerLayer * l;
+    const at::Tensor* next_norm = l + 1 < layers ? w + kPerLayer : nullptr;  // the next layer's input norm
     const at::Tensor layer_cache = kv_cache.select(0, l);
-    decoder_layer_(x, w[0], w[1], w[2], w[3], w[4], w[5], positions, cos, sin, layer_cache.select(0, 0),
-                   layer_cache.select(0, 1), slot_mapping, seq_lens, block_tables, num_heads, num_kv_heads, head_dim,
-                   intermediate_size, eps, scale);
+    h = layer_from_normed(x, h, w[1], w[2], w[3], w[4], w[5], next_norm, positions, cos, sin, layer_cache.select(0, 0),
+                          layer_cache.select(0, 1), slot_mapping, seq_lens, block_tables, num_heads, num_kv_heads,
+                          head_dim, intermediate_size, eps, scale);
   }
 }
 

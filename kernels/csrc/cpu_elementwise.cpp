@@ -51,6 +51,38 @@ void rms_norm_kernel(const at::Tensor& x, const at::Tensor& w, double eps, at::T
   });
 }
 
+// x += y in place, rounded to x's dtype as torch's add rounds it, then out = rms_norm(x): the
+// residual add and the norm after it in one pass over each row (the row is still in L1 when the
+// norm reads it back), the same numbers as `x + y` followed by rms_norm.
+template <typename T>
+void add_rms_norm_kernel(at::Tensor& x, const at::Tensor& y, const at::Tensor& w, double eps, at::Tensor& out) {
+  const int64_t rows = x.size(0), h = x.size(1), xs = x.stride(0), ys = y.stride(0);
+  T* xp = x.data_ptr<T>();
+  const T* yp = y.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t hv = h - h % 16;
+  at::parallel_for(0, rows, row_grain(h), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* row = xp + r * xs;
+      const T* add = yp + r * ys;
+      for (int64_t i = 0; i < hv; i += 16) store16(row + i, load16(row + i) + load16(add + i));
+      for (int64_t i = hv; i < h; ++i) store(row, i, load(row, i) + load(add, i));
+      v16 vss = {};
+      for (int64_t i = 0; i < hv; i += 16) {
+        const v16 a = load16(row + i);
+        vss += a * a;
+      }
+      float ss = hsum(vss);
+      for (int64_t i = hv; i < h; ++i) ss += load(row, i) * load(row, i);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
+      T* o = op + r * h;
+      for (int64_t i = 0; i < hv; i += 16) store16(o + i, load16(wp + i) * (load16(row + i) * inv));
+      for (int64_t i = hv; i < h; ++i) store(o, i, load(wp, i) * (load(row, i) * inv));
+    }
+  });
+}
+
 template <typename T>
 void silu_mul_kernel(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, gs = gate_up.stride(0);
@@ -126,6 +158,20 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& y, const at::Tensor& weight, double eps) {
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, H] with contiguous rows");
+  TORCH_CHECK(y.scalar_type() == x.scalar_type() && y.sizes() == x.sizes() && y.stride(1) == 1,
+              "y must be x's [T, H] and dtype with contiguous rows");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
+                  weight.is_contiguous(),
+              "weight must be a contiguous [H] of x's dtype");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == at::kFloat) add_rms_norm_kernel<float>(x, y, weight, eps, out);
+  else add_rms_norm_kernel<c10::BFloat16>(x, y, weight, eps, out);
+  return out;
+}
+
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_float(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
@@ -167,11 +213,13 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor y, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("rms_norm", &pdserve_cpu::rms_norm);
   m.impl("silu_mul", &pdserve_cpu::silu_mul);
+  m.impl("add_rms_norm_", &pdserve_cpu::add_rms_norm_);
   m.impl("rotary_", &pdserve_cpu::rotary_);
 }

@@ -15,6 +15,8 @@ void store_kv_(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cac
 
 // cpu_elementwise.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// x += y in place, then rms_norm(x): the residual add and the next norm in one pass.
+at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& y, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 
