@@ -8,6 +8,7 @@ Shapes: T packed tokens, H hidden size, Hq/Hkv heads, D head size, V vocabulary.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -299,17 +300,17 @@ class LlamaForCausalLM(nn.Module):
         one. Each `x + y` of the layers read x and y in full twice; x, the embeddings' output,
         is this step's own."""
         m = self.model
-        fused = m.norm.fused
-        layers = list(m.layers)
+        fused: Any = m.norm.fused
+        layers = [layer for layer in m.layers if isinstance(layer, DecoderLayer)]
+        norms = [layer.input_layernorm for layer in layers[1:]] + [m.norm]  # the norm after each layer
         if not layers:
             return m.norm(x)
         h = layers[0].input_layernorm(x)
-        for i, layer in enumerate(layers):
+        for layer, after in zip(layers, norms, strict=True):
             attn = layer.self_attn(h, positions, m.rotary, meta, kv_cache)
             post = layer.post_attention_layernorm
             h = fused.add_rms_norm_(x, attn, post.weight, post.eps)
-            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else m.norm
-            h = fused.add_rms_norm_(x, layer.mlp(h), nxt.weight, nxt.eps)
+            h = fused.add_rms_norm_(x, layer.mlp(h), after.weight, after.eps)
         return h
 
     def use_fused_ops(self, ops) -> None:
