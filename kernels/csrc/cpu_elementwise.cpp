@@ -26,28 +26,30 @@ constexpr int64_t kGrain = 1 << 14;
 
 inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, width)); }
 
+// o = w * (row * rsqrt(mean(row^2) + eps)) for one row of h, sixteen at a time and a tail.
+template <typename T>
+inline void norm_row(const T* row, const T* wp, int64_t h, double eps, T* o) {
+  const int64_t hv = h - h % 16;  // the part done sixteen at a time
+  v16 vss = {};
+  for (int64_t i = 0; i < hv; i += 16) {
+    const v16 a = load16(row + i);
+    vss += a * a;
+  }
+  float ss = hsum(vss);
+  for (int64_t i = hv; i < h; ++i) ss += load(row, i) * load(row, i);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
+  for (int64_t i = 0; i < hv; i += 16) store16(o + i, load16(wp + i) * (load16(row + i) * inv));
+  for (int64_t i = hv; i < h; ++i) store(o, i, load(wp, i) * (load(row, i) * inv));
+}
+
 template <typename T>
 void rms_norm_kernel(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out) {
   const int64_t rows = x.size(0), h = x.size(1), xs = x.stride(0);
   const T* xp = x.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const int64_t hv = h - h % 16;  // the part done sixteen at a time
   at::parallel_for(0, rows, row_grain(h), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* row = xp + r * xs;
-      v16 vss = {};
-      for (int64_t i = 0; i < hv; i += 16) {
-        const v16 a = load16(row + i);
-        vss += a * a;
-      }
-      float ss = hsum(vss);
-      for (int64_t i = hv; i < h; ++i) ss += load(row, i) * load(row, i);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
-      T* o = op + r * h;
-      for (int64_t i = 0; i < hv; i += 16) store16(o + i, load16(wp + i) * (load16(row + i) * inv));
-      for (int64_t i = hv; i < h; ++i) store(o, i, load(wp, i) * (load(row, i) * inv));
-    }
+    for (int64_t r = begin; r < end; ++r) norm_row(xp + r * xs, wp, h, eps, op + r * h);
   });
 }
 
@@ -68,17 +70,7 @@ void add_rms_norm_kernel(at::Tensor& x, const at::Tensor& y, const at::Tensor& w
       const T* add = yp + r * ys;
       for (int64_t i = 0; i < hv; i += 16) store16(row + i, load16(row + i) + load16(add + i));
       for (int64_t i = hv; i < h; ++i) store(row, i, load(row, i) + load(add, i));
-      v16 vss = {};
-      for (int64_t i = 0; i < hv; i += 16) {
-        const v16 a = load16(row + i);
-        vss += a * a;
-      }
-      float ss = hsum(vss);
-      for (int64_t i = hv; i < h; ++i) ss += load(row, i) * load(row, i);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
-      T* o = op + r * h;
-      for (int64_t i = 0; i < hv; i += 16) store16(o + i, load16(wp + i) * (load16(row + i) * inv));
-      for (int64_t i = hv; i < h; ++i) store(o, i, load(wp, i) * (load(row, i) * inv));
+      norm_row(row, wp, h, eps, op + r * h);  // reads back the rounded sums, as rms_norm(x + y) does
     }
   });
 }
