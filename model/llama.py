@@ -8,7 +8,6 @@ Shapes: T packed tokens, H hidden size, Hq/Hkv heads, D head size, V vocabulary.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +112,13 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_norm_(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x += y in place (the residual add before this norm), then this norm of x: with the
+        compiled ops one pass (`add_rms_norm_`), with the same numbers as the two ops."""
+        if self.fused is not None:
+            return self.fused.add_rms_norm_(x, y, self.weight, self.eps)
+        return self(x.add_(y))
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -220,9 +226,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, meta, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, h, positions, rotary, meta, kv_cache):
+        """x, the residual stream, gains the attention in place; h is x through input_layernorm.
+        Returns the MLP's output: the caller adds it to x with the norm that follows (the next
+        layer's input norm or the final one), as the attention's is added here."""
+        h = self.post_attention_layernorm.add_norm_(x, self.self_attn(h, positions, rotary, meta, kv_cache))
+        return self.mlp(h)
 
     def compiled_args(self) -> tuple[tuple[torch.Tensor, ...], tuple]:
         """This layer's (weights, dims) for ops.decoder_layers_, reading the packed weights (panels,
@@ -286,31 +295,13 @@ class LlamaForCausalLM(nn.Module):
             ops.decoder_layers_(x, weights, positions, self.model.rotary.cos, self.model.rotary.sin, kv_cache,
                                 meta.slot_mapping, meta.decode_seq_lens, meta.decode_block_tables, *dims)
             return self.model.norm(x)
-        norm = self.model.norm
-        if norm.fused is not None:  # the compiled elementwise ops: each residual add with the norm after it
-            return self._fused_layers(x, positions, meta, kv_cache)
-        for layer in self.model.layers:
-            x = layer(x, positions, self.model.rotary, meta, kv_cache)
-        return norm(x)
-
-    def _fused_layers(self, x, positions, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        """The DecoderLayers' maths with each residual add done by the norm that follows it
-        (`add_rms_norm_`: x += y in place, then the norm, in one pass, with the numbers of `x + y`
-        then the norm): the post-attention norm, then the next layer's input norm or the final
-        one. Each `x + y` of the layers read x and y in full twice; x, the embeddings' output,
-        is this step's own."""
-        m = self.model
-        fused: Any = m.norm.fused
-        layers = [layer for layer in m.layers if isinstance(layer, DecoderLayer)]
-        norms = [layer.input_layernorm for layer in layers[1:]] + [m.norm]  # the norm after each layer
-        if not layers:
-            return m.norm(x)
-        h = layers[0].input_layernorm(x)
-        for layer, after in zip(layers, norms, strict=True):
-            attn = layer.self_attn(h, positions, m.rotary, meta, kv_cache)
-            post = layer.post_attention_layernorm
-            h = fused.add_rms_norm_(x, attn, post.weight, post.eps)
-            h = fused.add_rms_norm_(x, layer.mlp(h), after.weight, after.eps)
+        # Each residual add goes with the norm after it (RMSNorm.add_norm_); x, the embeddings'
+        # output, is this step's own, updated in place.
+        layers = [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
+        after = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        h = (layers[0].input_layernorm if layers else self.model.norm)(x)
+        for layer, norm in zip(layers, after, strict=True):
+            h = norm.add_norm_(x, layer(x, h, positions, self.model.rotary, meta, kv_cache))
         return h
 
     def use_fused_ops(self, ops) -> None:

@@ -1,6 +1,6 @@
 // One decoder layer of a decode-only step in one call. The same math in the same order as
-// model/llama.py's layers (LlamaForCausalLM.forward with the fused ops, the PyTorch DecoderLayer
-// without them), its oracle:
+// model/llama.py's DecoderLayer (each residual add with the norm after it, RMSNorm.add_norm_), its
+// oracle:
 //
 //   h = rms_norm(x); q, k, v = split(h Wqkv^T); rotary(q, k); store k, v at their slots
 //   x += attention(q, paged cache) Wo^T
