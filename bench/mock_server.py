@@ -78,7 +78,8 @@ def build_app(cfg: MockConfig) -> Starlette:
     async def ready(request: Request) -> Response:
         up_ms = (time.monotonic() - started) * 1e3
         ok = up_ms >= cfg.ready_delay_ms
-        if ok and request.query_params.get("warm") and up_ms < cfg.warm_delay_ms:
+        wants_warm = request.query_params.get("warm", "0").lower() not in ("0", "false")  # as the router reads it
+        if ok and wants_warm and up_ms < cfg.warm_delay_ms:
             return JSONResponse({"ready": True, "warm": False}, status_code=503)
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 

@@ -122,15 +122,13 @@ async def ready(request: Request) -> Response:
     expected, seen = svc.config.expect_workers, len(svc.registry.ever_registered)
     if seen < expected:  # e.g. `pdserve up` before its prefill worker is in: a burst would all fall back
         return JSONResponse({"status": "starting", "workers": seen, "expected": expected}, status_code=503)
-    workers = svc.registry.workers.values()
-    warm = all(w.kv_resident for w in workers)
-    if not warm and request.query_params.get("warm", "0").lower() not in ("", "0", "false", "no"):
+    workers = len(svc.registry.workers)
+    cold = sorted(w.worker_id for w in svc.registry.workers.values() if not w.kv_resident)
+    if cold and request.query_params.get("warm", "0").lower() not in ("0", "false"):
         # ?warm=1: also wait for every worker's KV cache to be faulted in (benchmarks, or a probe
         # that would rather wait seconds than send a first burst to a cold cache).
-        cold = sorted(w.worker_id for w in workers if not w.kv_resident)
-        return JSONResponse({"status": "warming", "workers": len(svc.registry.workers), "cold": cold},
-                            status_code=503)
-    return JSONResponse({"status": "ready", "workers": len(svc.registry.workers), "warm": warm})
+        return JSONResponse({"status": "warming", "workers": workers, "cold": cold}, status_code=503)
+    return JSONResponse({"status": "ready", "workers": workers, "warm": not cold})
 
 
 async def metrics(request: Request) -> Response:

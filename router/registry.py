@@ -44,7 +44,6 @@ class WorkerState:
     running: int = 0
     waiting: int = 0
     draining: bool = False
-    kv_resident: bool = False  # as its last heartbeat says; unknown (False) until the first one
     # Sent by the router since the last heartbeat (reset by it).
     pending_tokens: int = 0
     pending_blocks: int = 0
@@ -57,6 +56,11 @@ class WorkerState:
     @property
     def worker_id(self) -> str:
         return self.info.worker_id
+
+    @property
+    def kv_resident(self) -> bool:
+        """Its KV cache faulted in, as its last heartbeat says (unknown, so False, before one)."""
+        return self.last_heartbeat is not None and self.last_heartbeat.kv_resident
 
     @property
     def role(self) -> str:
@@ -156,7 +160,7 @@ class Registry:
             msg.running,
             msg.waiting,
         )
-        w.draining, w.kv_resident = msg.draining, msg.kv_resident
+        w.draining = msg.draining
         w.pending_tokens = w.pending_blocks = w.pending_requests = 0
         w.last_heartbeat = msg
         return w
