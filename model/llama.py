@@ -292,9 +292,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         if self._compiled_layers is not None and meta.num_decode_tokens == x.shape[0]:
             ops, weights, dims = self._compiled_layers
-            ops.decoder_layers_(x, weights, positions, self.model.rotary.cos, self.model.rotary.sin, kv_cache,
-                                meta.slot_mapping, meta.decode_seq_lens, meta.decode_block_tables, *dims)
-            return self.model.norm(x)
+            return ops.decoder_layers_(x, weights, self.model.norm.weight, positions, self.model.rotary.cos,
+                                       self.model.rotary.sin, kv_cache, meta.slot_mapping, meta.decode_seq_lens,
+                                       meta.decode_block_tables, *dims)
         # Each residual add goes with the norm after it (RMSNorm.add_norm_); x, the embeddings'
         # output, is this step's own, updated in place.
         layers = [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]

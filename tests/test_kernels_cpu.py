@@ -343,8 +343,9 @@ def test_a_compiled_decoder_layer_step_writes_the_cache_and_tokens_the_pytorch_l
 def test_a_compiled_decoder_layer_refuses_a_step_with_a_prefill(backend):
     x = torch.randn(3, 8)
     with pytest.raises(RuntimeError, match="decode-only"):
-        backend.ops.decoder_layer_(x, *([torch.empty(0)] * 9), torch.empty(0), torch.empty(0), torch.empty(0),
-                                   torch.zeros(2, dtype=torch.int32), torch.empty(0), 1, 1, 8, 8, 1e-5, 1.0)
+        backend.ops.decoder_layers_(x, [], torch.ones(8), torch.empty(0), torch.empty(0), torch.empty(0),
+                                    torch.empty(0, 2, 1, 1, 1, 1), torch.empty(0), torch.zeros(2, dtype=torch.int32),
+                                    torch.empty(0), 1, 1, 8, 8, 1e-5, 1.0)
 
 
 def test_a_bfloat16_compiled_decoder_layer_matches_the_pytorch_layers(tiny, monkeypatch):

@@ -1,4 +1,4 @@
-// One decoder layer of a decode-only step in one call. The same math in the same order as
+// The decoder layers of a decode-only step in one call. The same math in the same order as
 // model/llama.py's DecoderLayer (each residual add with the norm after it, RMSNorm.add_norm_), its
 // oracle:
 //
@@ -22,11 +22,11 @@ namespace {
 
 // One layer from h, its input already normalised: x += attention, then x += MLP, in place. The
 // residual adds go with the norms after them (add_rms_norm_: one pass, the same numbers as
-// `x += y` then rms_norm): the post-attention norm, and, given next_norm, the next layer's input
-// norm, whose output it returns (else an undefined tensor, x updated by a plain add).
+// `x += y` then rms_norm): the post-attention norm, then `after` (the next layer's input norm or
+// the final one), whose output it returns.
 at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tensor& post_norm, const at::Tensor& qkv,
                              const at::Tensor& o, const at::Tensor& gate_up, const at::Tensor& down,
-                             const at::Tensor* next_norm, const at::Tensor& positions, const at::Tensor& cos,
+                             const at::Tensor& after, const at::Tensor& positions, const at::Tensor& cos,
                              const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                              const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
                              const at::Tensor& block_tables, int64_t num_heads, int64_t num_kv_heads,
@@ -42,80 +42,52 @@ at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tenso
   const at::Tensor attn = decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale);
   const at::Tensor h2 = add_rms_norm_(x, project(attn.view({tokens, q_size}), o, hidden), post_norm, eps);
   const at::Tensor mlp = project(silu_mul(project(h2, gate_up, 2 * intermediate_size)), down, hidden);
-  if (next_norm != nullptr) return add_rms_norm_(x, mlp, *next_norm, eps);
-  x.add_(mlp);
-  return at::Tensor();
-}
-
-void check_decode_only(const at::Tensor& x, const at::Tensor& seq_lens) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, H]");
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == x.size(0),
-              "decoder_layer_ runs decode-only steps: one token per sequence, seq_lens [T]");
+  return add_rms_norm_(x, mlp, after, eps);
 }
 
 }  // namespace
 
-void decoder_layer_(at::Tensor x, const at::Tensor& input_norm, const at::Tensor& post_norm, const at::Tensor& qkv,
-                    const at::Tensor& o, const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& positions,
-                    const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-                    const at::Tensor& slot_mapping, const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
-                    double scale) {
-  check_decode_only(x, seq_lens);
-  layer_from_normed(x, rms_norm(x, input_norm, eps), post_norm, qkv, o, gate_up, down, nullptr, positions, cos, sin,
-                    k_cache, v_cache, slot_mapping, seq_lens, block_tables, num_heads, num_kv_heads, head_dim,
-                    intermediate_size, eps, scale);
-}
-
-// Every layer of a decode-only step: decoder_layer_ for each, weights six per layer in its order
-// (input norm, post norm, qkv, o, gate_up, down), kv_cache the engine's [L, 2, blocks, S, Hkv, D].
+// Every layer of a decode-only step, and the final norm, in one call: weights six per layer in its
+// order (input norm, post norm, qkv, o, gate_up, down), kv_cache the engine's [L, 2, blocks, S,
+// Hkv, D]. Returns the final hidden states, normalised; x, the residual stream, is updated in place.
 // One call from Python instead of one per layer: at batch 1 the 30 calls of SmolLM2 and their
-// argument handling took about 1 ms of a 16 ms step. Each layer's last residual add goes with the
-// next layer's input norm; the last layer's add is a plain one (the final norm is the model's).
-void decoder_layers_(at::Tensor x, at::TensorList weights, const at::Tensor& positions, const at::Tensor& cos,
-                     const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping,
-                     const at::Tensor& seq_lens, const at::Tensor& block_tables, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps, double scale) {
+// argument handling took about 1 ms of a 16 ms step.
+at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, const at::Tensor& final_norm,
+                           const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                           at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
+                           const at::Tensor& block_tables, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t intermediate_size, double eps, double scale) {
   constexpr int64_t kPerLayer = 6;
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2, "kv_cache must be [L, 2, blocks, S, Hkv, D], got ",
               kv_cache.sizes());
   const int64_t layers = kv_cache.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * layers, "expected ", kPerLayer,
               " weights for each of ", layers, " layers, got ", weights.size());
-  check_decode_only(x, seq_lens);
-  if (layers == 0) return;
-  at::Tensor h = rms_norm(x, weights[0], eps);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, H]");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == x.size(0),
+              "decoder_layers_ runs decode-only steps: one token per sequence, seq_lens [T]");
+  at::Tensor h = rms_norm(x, layers > 0 ? weights[0] : final_norm, eps);
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + kPerLayer * l;
-    const at::Tensor* next_norm = l + 1 < layers ? w + kPerLayer : nullptr;  // the next layer's input norm
+    const at::Tensor& after = l + 1 < layers ? w[kPerLayer] : final_norm;  // the next layer's input norm
     const at::Tensor layer_cache = kv_cache.select(0, l);
-    h = layer_from_normed(x, h, w[1], w[2], w[3], w[4], w[5], next_norm, positions, cos, sin, layer_cache.select(0, 0),
+    h = layer_from_normed(x, h, w[1], w[2], w[3], w[4], w[5], after, positions, cos, sin, layer_cache.select(0, 0),
                           layer_cache.select(0, 1), slot_mapping, seq_lens, block_tables, num_heads, num_kv_heads,
                           head_dim, intermediate_size, eps, scale);
   }
+  return h;
 }
 
 }  // namespace pdserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def(
-      "decoder_layers_(Tensor(a!) x, Tensor[] weights, Tensor positions, Tensor cos, Tensor sin, "
-      "Tensor(b!) kv_cache, Tensor slot_mapping, Tensor seq_lens, Tensor block_tables, int num_heads, "
-      "int num_kv_heads, int head_dim, int intermediate_size, float eps, float scale) -> ()");
-  m.def(
-      "decoder_layer_(Tensor(a!) x, Tensor input_norm, Tensor post_norm, Tensor qkv, Tensor o, Tensor gate_up, "
-      "Tensor down, Tensor positions, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-      "Tensor slot_mapping, Tensor seq_lens, Tensor block_tables, int num_heads, int num_kv_heads, int head_dim, "
-      "int intermediate_size, float eps, float scale) -> ()");
+      "decoder_layers_(Tensor(a!) x, Tensor[] weights, Tensor final_norm, Tensor positions, Tensor cos, "
+      "Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, Tensor seq_lens, Tensor block_tables, "
+      "int num_heads, int num_kv_heads, int head_dim, int intermediate_size, float eps, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
-  m.impl("decoder_layer_", &pdserve_cpu::decoder_layer_);
-  m.impl("decoder_layers_", &pdserve_cpu::decoder_layers_);
-}
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("decoder_layers_", &pdserve_cpu::decoder_layers_); }
 
 // oneDNN-packed weights are MkldnnCPU tensors, which make the dispatcher look for that key.
-TORCH_LIBRARY_IMPL(pdserve_cpu, MkldnnCPU, m) {
-  m.impl("decoder_layer_", &pdserve_cpu::decoder_layer_);
-  m.impl("decoder_layers_", &pdserve_cpu::decoder_layers_);
-}
+TORCH_LIBRARY_IMPL(pdserve_cpu, MkldnnCPU, m) { m.impl("decoder_layers_", &pdserve_cpu::decoder_layers_); }
