@@ -4,7 +4,7 @@ The KV cache is allocated once and read all over at every decode step. On 4 KiB 
 step at batch 32 walks some 46,000 pages of it, and the hardware prefetchers stop at every page
 boundary. `zeros_on_huge_pages` maps it anonymously and asks for transparent huge pages
 (`madvise(MADV_HUGEPAGE)`, which works where the kernel's policy is `madvise` or `always`), its
-pages faulted in as the cache fills, not at start-up (see `zeros_on_huge_pages`). On a
+pages faulted in after start-up on a background thread (`fault_in_background`). On a
 2-core Sapphire Rapids, 30 layers of decode attention at batch 32, context 256, from DRAM
 (`python -m pdserve.bench.cpu_attention_bench`) took 16.1 ms instead of 20.9 with each sequence's
 blocks side by side, and 18.0 ms instead of 26.1 with its blocks three apart, as a long-running
