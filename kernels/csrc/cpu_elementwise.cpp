@@ -26,19 +26,19 @@ constexpr int64_t kGrain = 1 << 14;
 
 inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, width)); }
 
-// o = w * (row * rsqrt(mean(row^2) + eps)) for one row of h, sixteen at a time and a tail.
+// o = w * (row * rsqrt(mean(row^2) + eps)) for one row of h, a vector at a time and a tail.
 template <typename T>
 inline void norm_row(const T* row, const T* wp, int64_t h, double eps, T* o) {
-  const int64_t hv = h - h % 16;  // the part done sixteen at a time
-  v16 vss = {};
-  for (int64_t i = 0; i < hv; i += 16) {
-    const v16 a = load16(row + i);
+  const int64_t hv = h - h % kVf;  // the part done a vector at a time
+  vf vss = {};
+  for (int64_t i = 0; i < hv; i += kVf) {
+    const vf a = loadf(row + i);
     vss += a * a;
   }
   float ss = hsum(vss);
   for (int64_t i = hv; i < h; ++i) ss += load(row, i) * load(row, i);
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
-  for (int64_t i = 0; i < hv; i += 16) store16(o + i, load16(wp + i) * (load16(row + i) * inv));
+  for (int64_t i = 0; i < hv; i += kVf) storef(o + i, loadf(wp + i) * (loadf(row + i) * inv));
   for (int64_t i = hv; i < h; ++i) store(o, i, load(wp, i) * (load(row, i) * inv));
 }
 
@@ -63,12 +63,12 @@ void add_rms_norm_kernel(at::Tensor& x, const at::Tensor& y, const at::Tensor& w
   const T* yp = y.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const int64_t hv = h - h % 16;
+  const int64_t hv = h - h % kVf;
   at::parallel_for(0, rows, row_grain(h), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* row = xp + r * xs;
       const T* add = yp + r * ys;
-      for (int64_t i = 0; i < hv; i += 16) store16(row + i, load16(row + i) + load16(add + i));
+      for (int64_t i = 0; i < hv; i += kVf) storef(row + i, loadf(row + i) + loadf(add + i));
       for (int64_t i = hv; i < h; ++i) store(row, i, load(row, i) + load(add, i));
       norm_row(row, wp, h, eps, op + r * h);  // reads back the rounded sums, as rms_norm(x + y) does
     }
@@ -86,11 +86,11 @@ void silu_mul_kernel(const at::Tensor& gate_up, at::Tensor& out) {
       const T* u = g + inter;
       T* o = op + r * inter;
       int64_t i = 0;
-      for (; i + 16 <= inter; i += 16) {
-        const v16 a = load16(g + i);
-        const v16 e = exp_nonpositive(a < 0.f ? a : -a);  // exp(-|a|): never overflows
-        const v16 sig = (a < 0.f ? e : v16{} + 1.f) * reciprocal(1.f + e);
-        store16(o + i, a * sig * load16(u + i));
+      for (; i + kVf <= inter; i += kVf) {
+        const vf a = loadf(g + i);
+        const vf e = exp_nonpositive(a < 0.f ? a : -a);  // exp(-|a|): never overflows
+        const vf sig = (a < 0.f ? e : vf{} + 1.f) * reciprocal(1.f + e);
+        storef(o + i, a * sig * loadf(u + i));
       }
       for (; i < inter; ++i) {
         const float a = load(g, i);
@@ -105,7 +105,7 @@ template <typename T>
 void rotary_kernel(at::Tensor& x, const int64_t* pos, const float* cos, const float* sin, int64_t table_stride) {
   const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
   const int64_t xs = x.stride(0), hs = x.stride(1);
-  const int64_t hv = half - half % 16;
+  const int64_t hv = half - half % kVf;
   T* xp = x.data_ptr<T>();
   at::parallel_for(0, tokens, row_grain(heads * d), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -113,10 +113,10 @@ void rotary_kernel(at::Tensor& x, const int64_t* pos, const float* cos, const fl
       const float* s = sin + pos[t] * table_stride;
       for (int64_t h = 0; h < heads; ++h) {
         T* v = xp + t * xs + h * hs;
-        for (int64_t i = 0; i < hv; i += 16) {
-          const v16 x1 = load16(v + i), x2 = load16(v + i + half), cv = load16(c + i), sv = load16(s + i);
-          store16(v + i, x1 * cv - x2 * sv);
-          store16(v + i + half, x2 * cv + x1 * sv);
+        for (int64_t i = 0; i < hv; i += kVf) {
+          const vf x1 = loadf(v + i), x2 = loadf(v + i + half), cv = loadf(c + i), sv = loadf(s + i);
+          storef(v + i, x1 * cv - x2 * sv);
+          storef(v + i + half, x2 * cv + x1 * sv);
         }
         for (int64_t i = hv; i < half; ++i) {
           const float x1 = load(v, i), x2 = load(v, i + half);
