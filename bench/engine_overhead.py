@@ -4,7 +4,7 @@ next to what this machine can do at best.
     python -m pdserve.bench.engine_overhead [--threads 1] [--model default] [--dtype float32]
 
 The same run first measures the machine: its GEMM rate (the best of square and prefill-shaped
-matmuls in the engine's dtype) and its memory read bandwidth (a sum over a tensor far larger
+torch matmuls in the engine's dtype, and of the engine's own linear on the prefill shape) and its memory read bandwidth (a sum over a tensor far larger
 than the caches), both the best of the repeats. Then, for each
 case, it times (a) one engine step through the scheduler, runner, paged attention and sampler,
 and (b) only the matmuls of the same model on the same number of tokens (every projection of
@@ -33,10 +33,13 @@ from pdserve.model.weights import load_model
 from pdserve.protocol.sampling import SamplingParams
 
 
-def machine_gemm_rate(dtype: torch.dtype, repeats: int) -> float:
-    """The best FLOP/s of plain torch matmuls this machine reaches: the fastest of `repeats` runs
-    each of a 2048-square matmul and of a 1024 x 576 x 3072 one (a prefill's MLP projection).
-    The best, not the median: a roofline is what the machine can do, and noise only slows."""
+def machine_gemm_rate(dtype: torch.dtype, repeats: int, engine_linear: Linear | None = None) -> float:
+    """The best FLOP/s of the GEMMs this machine runs: the fastest of `repeats` runs each of a
+    2048-square torch matmul, of a 1024 x 576 x 3072 one (a prefill's MLP projection), and, given
+    `engine_linear` (a K=576, N=3072 projection of the engine's model, packed as the engine packs
+    it), of that same prefill shape through the engine's own linear: where pdserve's kernel beats
+    torch's, torch's rate is not the machine's limit. The best, not the median: a roofline is what
+    the machine can do, and noise only slows."""
     best = 0.0
     for m, k, n in ((2048, 2048, 2048), (1024, 576, 3072)):
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
@@ -45,6 +48,15 @@ def machine_gemm_rate(dtype: torch.dtype, repeats: int) -> float:
             t = time.perf_counter()
             torch.matmul(a, b)
             best = max(best, 2 * m * k * n / (time.perf_counter() - t))
+    if engine_linear is not None:
+        n, k = engine_linear.weight.shape
+        x = torch.randn(1024, k, dtype=dtype)
+        with torch.inference_mode():
+            engine_linear(x)
+            for _ in range(repeats):
+                t = time.perf_counter()
+                engine_linear(x)
+                best = max(best, 2 * 1024 * k * n / (time.perf_counter() - t))
     return best
 
 
@@ -149,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         profile(engine, args.context, args.repeats)
         return
     dtype = engine.runner.dtype
-    gemm = machine_gemm_rate(dtype, args.repeats)
+    gemm = machine_gemm_rate(dtype, args.repeats, engine.runner.model.model.layers[0].mlp.gate_up_proj)
     bandwidth = machine_bandwidth(args.repeats)
     print(f"model {loaded.name}, {str(dtype).removeprefix('torch.')}, attention {engine.runner.backend.name}, "
           f"linears {engine.runner.cpu_linear}, "
