@@ -28,7 +28,7 @@ import torch
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.kernels.huge_pages import zeros_on_huge_pages
-from pdserve.model.llama import Linear
+from pdserve.model.llama import DecoderLayer, Linear
 from pdserve.model.weights import load_model
 from pdserve.protocol.sampling import SamplingParams
 
@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> None:
         profile(engine, args.context, args.repeats)
         return
     dtype = engine.runner.dtype
-    gemm = machine_gemm_rate(dtype, args.repeats, engine.runner.model.model.layers[0].mlp.gate_up_proj)
+    first = engine.runner.model.model.layers[0]
+    assert isinstance(first, DecoderLayer)
+    gemm = machine_gemm_rate(dtype, args.repeats, first.mlp.gate_up_proj)
     bandwidth = machine_bandwidth(args.repeats)
     print(f"model {loaded.name}, {str(dtype).removeprefix('torch.')}, attention {engine.runner.backend.name}, "
           f"linears {engine.runner.cpu_linear}, "
