@@ -116,20 +116,19 @@ inline void store16(c10::BFloat16* p, v16 v) { narrow_bf16<v16, u16x16, u32x16>(
 // over 30 layers, and the softmax as long as the scores of decode attention.
 #if defined(__AVX512F__)
 typedef v16 vf;
-constexpr int64_t kVf = 16;
-inline vf loadf(const float* p) { return load16(p); }
-inline vf loadf(const c10::BFloat16* p) { return load16(p); }
-inline void storef(float* p, vf v) { store16(p, v); }
-inline void storef(c10::BFloat16* p, vf v) { store16(p, v); }
+typedef u16x16 u16xf;
+typedef u32x16 u32xf;
 #else
 typedef v8 vf;
-constexpr int64_t kVf = 8;
-inline vf loadf(const float* p) { return load8(p); }
-inline vf loadf(const c10::BFloat16* p) { return load8(p); }
-inline void storef(float* p, vf v) { store8(p, v); }
-inline void storef(c10::BFloat16* p, vf v) { store8(p, v); }
-inline v8 reciprocal(v8 x) { return 1.f / x; }
+typedef u16x8 u16xf;
+typedef u32x8 u32xf;
 #endif
+constexpr int64_t kVf = sizeof(vf) / sizeof(float);
+inline vf loadf(const float* p) { return load_floats<vf>(p); }
+inline vf loadf(const c10::BFloat16* p) { return widen_bf16<vf, u16xf, u32xf>(p); }
+inline void storef(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline void storef(c10::BFloat16* p, vf v) { narrow_bf16<vf, u16xf, u32xf>(p, v); }
+inline v8 reciprocal(v8 x) { return 1.f / x; }
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
