@@ -22,7 +22,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 namespace {
 
