@@ -84,25 +84,13 @@ inline V exp_nonpositive_t(V x) {
 }
 inline v8 exp_nonpositive(v8 x) { return exp_nonpositive_t<v8, i32x8>(x); }
 
-// Sixteen floats: one AVX-512 register, two AVX2 ones. The elementwise kernels (one pass over
-// rows, no reuse) go this wide: on AVX-512 the 8-wide loops ran at half the vector width.
+// Sixteen floats: one AVX-512 register, two AVX2 ones (vf below, on AVX-512).
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 inline v16 exp_nonpositive(v16 x) { return exp_nonpositive_t<v16, i32x16>(x); }
-
-// 1 / x. A 512-bit division issues once every ~10 cycles, which bounded the SiLU-mul; AVX-512's
-// 14-bit reciprocal estimate refined by one Newton step is within about 1e-8 relative.
-inline v16 reciprocal(v16 x) {
-#if defined(__AVX512F__)
-  const v16 r = (v16)_mm512_rcp14_ps((__m512)x);
-  return r * (2.f - x * r);
-#else
-  return 1.f / x;
-#endif
-}
 
 inline v16 load16(const float* p) { return load_floats<v16>(p); }
 inline v16 load16(const c10::BFloat16* p) { return widen_bf16<v16, u16x16, u32x16>(p); }
@@ -116,19 +104,25 @@ inline void store16(c10::BFloat16* p, v16 v) { narrow_bf16<v16, u16x16, u32x16>(
 // over 30 layers, and the softmax as long as the scores of decode attention.
 #if defined(__AVX512F__)
 typedef v16 vf;
-typedef u16x16 u16xf;
-typedef u32x16 u32xf;
+template <typename T> inline vf loadf(const T* p) { return load16(p); }
+template <typename T> inline void storef(T* p, vf v) { store16(p, v); }
 #else
 typedef v8 vf;
-typedef u16x8 u16xf;
-typedef u32x8 u32xf;
+template <typename T> inline vf loadf(const T* p) { return load8(p); }
+template <typename T> inline void storef(T* p, vf v) { store8(p, v); }
 #endif
 constexpr int64_t kVf = sizeof(vf) / sizeof(float);
-inline vf loadf(const float* p) { return load_floats<vf>(p); }
-inline vf loadf(const c10::BFloat16* p) { return widen_bf16<vf, u16xf, u32xf>(p); }
-inline void storef(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline void storef(c10::BFloat16* p, vf v) { narrow_bf16<vf, u16xf, u32xf>(p, v); }
-inline v8 reciprocal(v8 x) { return 1.f / x; }
+
+// 1 / x. A 512-bit division issues once every ~10 cycles, which bounded the SiLU-mul; AVX-512's
+// 14-bit reciprocal estimate refined by one Newton step is within about 1e-8 relative.
+inline vf reciprocal(vf x) {
+#if defined(__AVX512F__)
+  const vf r = (vf)_mm512_rcp14_ps((__m512)x);
+  return r * (2.f - x * r);
+#else
+  return 1.f / x;
+#endif
+}
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
