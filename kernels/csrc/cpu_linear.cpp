@@ -36,18 +36,12 @@ constexpr int64_t kRowBlock = 48;
 // time plus the compute's instead of the larger of them. On a 2-core AVX2 EPYC, the whole model's
 // matmuls: 8 rows 51 -> 39 ms, 32 rows 79-92 -> 55-78 ms, 256 rows unchanged.
 //
-// Where one row tile's pass prefetches: `stride` bytes of the next panel per step of k, from
-// `next`; `split` when stride is above a cache line, so that no line is skipped.
-struct Ahead {
-  const char* next;
-  int64_t stride;
-  bool split;
-};
-
-// Rows 0 .. MR-1 of x times one panel: y[m, 0..ncols) for each of those rows.
+// Rows 0 .. MR-1 of x times one panel: y[m, 0..ncols) for each of those rows. Each step of k
+// prefetches `stride` bytes from `ahead` on (two lines when that is more than one, so that no
+// line is skipped).
 template <int MR, typename T>
 inline void tile(const T* x, int64_t ldx, const T* panel, int64_t k_size, T* y, int64_t ldy, int64_t ncols,
-                 Ahead ahead) {
+                 const char* ahead, int64_t stride) {
   v8 acc[MR][kVectors];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kVectors; ++v) acc[m][v] = v8{};
@@ -55,9 +49,9 @@ inline void tile(const T* x, int64_t ldx, const T* panel, int64_t k_size, T* y, 
   for (int64_t k = 0; k < k_size; ++k) {
     v8 w[kVectors];
     for (int v = 0; v < kVectors; ++v) w[v] = load8(panel + k * kPanel + 8 * v);
-    const char* line = ahead.next + k * ahead.stride;
+    const char* line = ahead + k * stride;
     __builtin_prefetch(line);
-    if (ahead.split) __builtin_prefetch(line + ahead.stride / 2);
+    if (stride > 64) __builtin_prefetch(line + stride / 2);
     for (int m = 0; m < MR; ++m) {
       const float a = to_float(x[m * ldx + k]);
       for (int v = 0; v < kVectors; ++v) acc[m][v] += a * w[v];
@@ -84,21 +78,19 @@ inline void rows_by_panel(const T* x, int64_t ldx, int64_t rows, const T* panel,
                           int64_t ncols, const T* next) {
   const int64_t tiles = std::max<int64_t>(1, (rows + kMaxRows - 1) / kMaxRows);
   const int64_t base = rows / tiles, wider = rows % tiles;
-  const int64_t panel_bytes = k_size * kPanel * static_cast<int64_t>(sizeof(T));
-  const int64_t share = (panel_bytes + tiles - 1) / tiles;
-  const int64_t stride = (share + k_size - 1) / k_size;
+  // A panel row of k is kPanel elements; each tile prefetches its share of every row of `next`.
+  const int64_t stride = (kPanel * static_cast<int64_t>(sizeof(T)) + tiles - 1) / tiles;
   int64_t m = 0;
   for (int64_t i = 0; i < tiles; ++i) {
     const int64_t mr = base + (i < wider ? 1 : 0);
     const T* xr = x + m * ldx;
     T* yr = y + m * ldy;
-    const int64_t from = std::max<int64_t>(0, std::min(i * share, panel_bytes - stride * k_size));
-    const Ahead ahead{reinterpret_cast<const char*>(next) + from, stride, stride > 64};
+    const char* ahead = reinterpret_cast<const char*>(next) + i * stride * k_size;
     switch (mr) {
-      case 1: tile<1>(xr, ldx, panel, k_size, yr, ldy, ncols, ahead); break;
-      case 2: tile<2>(xr, ldx, panel, k_size, yr, ldy, ncols, ahead); break;
-      case 3: tile<3>(xr, ldx, panel, k_size, yr, ldy, ncols, ahead); break;
-      default: tile<4>(xr, ldx, panel, k_size, yr, ldy, ncols, ahead); break;
+      case 1: tile<1>(xr, ldx, panel, k_size, yr, ldy, ncols, ahead, stride); break;
+      case 2: tile<2>(xr, ldx, panel, k_size, yr, ldy, ncols, ahead, stride); break;
+      case 3: tile<3>(xr, ldx, panel, k_size, yr, ldy, ncols, ahead, stride); break;
+      default: tile<4>(xr, ldx, panel, k_size, yr, ldy, ncols, ahead, stride); break;
     }
     m += mr;
   }
