@@ -4,8 +4,9 @@ next to what this machine can do at best.
     python -m pdserve.bench.engine_overhead [--threads 1] [--model default] [--dtype float32]
 
 The same run first measures the machine: its GEMM rate (the best of square and prefill-shaped
-torch matmuls in the engine's dtype, and of the engine's own linear on the prefill shape) and its memory read bandwidth (a sum over a tensor far larger
-than the caches), both the best of the repeats. Then, for each
+torch matmuls in the engine's dtype, and of the engine's own linear on the prefill shape) and
+its memory read bandwidth (a sum over a tensor far larger than the caches), both the best of the
+repeats. Then, for each
 case, it times (a) one engine step through the scheduler, runner, paged attention and sampler,
 and (b) only the matmuls of the same model on the same number of tokens (every projection of
 every layer plus the LM head rows that sample). a/b is the engine's overhead: attention, norms,
@@ -20,6 +21,7 @@ over the machine's GEMM rate.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -36,27 +38,24 @@ from pdserve.protocol.sampling import SamplingParams
 def machine_gemm_rate(dtype: torch.dtype, repeats: int, engine_linear: Linear | None = None) -> float:
     """The best FLOP/s of the GEMMs this machine runs: the fastest of `repeats` runs each of a
     2048-square torch matmul, of a 1024 x 576 x 3072 one (a prefill's MLP projection), and, given
-    `engine_linear` (a K=576, N=3072 projection of the engine's model, packed as the engine packs
-    it), of that same prefill shape through the engine's own linear: where pdserve's kernel beats
-    torch's, torch's rate is not the machine's limit. The best, not the median: a roofline is what
-    the machine can do, and noise only slows."""
-    best = 0.0
+    `engine_linear` (one of the engine's projections, packed as the engine packs it), of 1,024 rows
+    through it: where pdserve's kernel beats torch's, torch's rate is not the machine's limit. The
+    best, not the median: a roofline is what the machine can do, and noise only slows."""
+    cases = []
     for m, k, n in ((2048, 2048, 2048), (1024, 576, 3072)):
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        torch.matmul(a, b)
-        for _ in range(repeats):
-            t = time.perf_counter()
-            torch.matmul(a, b)
-            best = max(best, 2 * m * k * n / (time.perf_counter() - t))
+        cases.append((functools.partial(torch.matmul, a, b), 2.0 * m * k * n))
     if engine_linear is not None:
         n, k = engine_linear.weight.shape
-        x = torch.randn(1024, k, dtype=dtype)
-        with torch.inference_mode():
-            engine_linear(x)
+        cases.append((functools.partial(engine_linear, torch.randn(1024, k, dtype=dtype)), 2.0 * 1024 * k * n))
+    best = 0.0
+    with torch.inference_mode():
+        for run, flops in cases:
+            run()
             for _ in range(repeats):
                 t = time.perf_counter()
-                engine_linear(x)
-                best = max(best, 2 * 1024 * k * n / (time.perf_counter() - t))
+                run()
+                best = max(best, flops / (time.perf_counter() - t))
     return best
 
 
