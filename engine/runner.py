@@ -68,7 +68,7 @@ class ModelRunner:
         )
         # Its pages fault in on a background thread, lowest blocks first (None: nothing to do).
         self.kv_fault_in = fault_in_background(self.kv_cache) if self.device.type == "cpu" else None
-        self.sampler = Sampler()
+        self.sampler = Sampler(ops=self.compiled_ops)
 
     @property
     def kv_cache_resident(self) -> bool:

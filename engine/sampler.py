@@ -38,12 +38,34 @@ class SampleResult:
     errors: dict[int, str] = field(default_factory=dict)
 
 
+def edits_logits(req: Request) -> bool:
+    """Whether sampling `req` changes or reads its row beyond the argmax: a penalty, a stop
+    token masked for min_tokens, a grammar, logprobs, or a draw."""
+    p = req.sampling
+    return (not p.greedy or p.logprobs is not None or req.grammar is not None or p.repetition_penalty != 1.0
+            or bool((p.frequency_penalty or p.presence_penalty) and req.num_output_tokens)
+            or req.num_output_tokens < p.min_tokens)
+
+
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, ops: object | None = None) -> None:
+        """`ops`: torch.ops.pdserve_cpu, whose argmax_rows takes the greedy rows on the CPU."""
         self.generator = torch.Generator().manual_seed(seed)
+        self.ops = ops
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """max(dim=-1).indices: the same first maximum (and first NaN), through the compiled
+        kernel where there is one (torch's takes 3-10 ms over 32 x 49,152 logits on 2 cores)."""
+        if self.ops is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16):
+            return self.ops.argmax_rows(logits if logits.stride(-1) == 1 else logits.contiguous())  # type: ignore[attr-defined]
+        return logits.max(dim=-1).indices
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-        """logits: float32 [B, V], row i belongs to requests[i]."""
+        """logits: [B, V] in the model's dtype, row i belongs to requests[i]."""
+        if logits.device.type == "cpu" and not any(edits_logits(r) for r in requests):
+            # Plain greedy rows: the argmax of the model's own logits, with no float32 copy (the
+            # widening keeps every value, so the index is the same).
+            return SampleResult(self._argmax(logits).tolist(), None, None, {})
         logits = logits.float().cpu() if logits.device.type != "cpu" else logits.float()
         self._apply_penalties(logits, requests)
         self._mask_early_stop(logits, requests)
@@ -55,12 +77,12 @@ class Sampler:
         # max(dim).indices, not argmax: the same first maximum, 2.5x faster on the CPU (0.8 against
         # 2.1 ms over 64 x 49,152 logits); and no row gather when every row is greedy.
         if len(greedy) == len(requests):
-            tokens = logits.max(dim=-1).indices
+            tokens = self._argmax(logits)
         else:
             tokens = torch.empty(len(requests), dtype=torch.long)
             if greedy:
                 idx = torch.tensor(greedy)
-                tokens[idx] = logits[idx].max(dim=-1).indices
+                tokens[idx] = self._argmax(logits[idx])
         for i, req in enumerate(requests):
             if not req.sampling.greedy and i not in errors:
                 tokens[i] = self._draw(logits[i], req)

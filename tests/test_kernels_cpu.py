@@ -229,6 +229,30 @@ def test_add_rms_norm_is_the_residual_add_then_the_norm_to_the_bit(backend, dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 49152), (32, 49152), (3, 17), (5, 1), (4, 33)])
+def test_argmax_rows_is_torchs_first_maximum(backend, dtype, shape):
+    """The index max(dim=-1).indices gives, on rows, vector tails, ties, -inf rows and NaN."""
+    x = torch.randn(*shape).to(dtype)
+    assert torch.equal(backend.ops.argmax_rows(x), x.max(dim=-1).indices)
+    rows, n = shape
+    x[0] = float("-inf")  # every element -inf: the first
+    if rows > 1:
+        x[1] = 0.5  # all tied: the first
+        x[2 % rows, n // 2] = float("nan")  # a NaN wins, the first one
+        x[2 % rows, n - 1] = float("nan")
+        x[-1, n - 1] = x[-1].max() + 1  # the maximum in the tail past the last full vector
+    assert torch.equal(backend.ops.argmax_rows(x), x.max(dim=-1).indices)
+    strided = torch.randn(rows, 2 * n).to(dtype)[:, ::2]
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        backend.ops.argmax_rows(strided)
+
+
+def test_argmax_rows_refuses_other_dtypes(backend):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        backend.ops.argmax_rows(torch.randn(2, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_silu_mul_equals_the_eager_mlp_activation(backend, dtype):
     gate_up = torch.cat([torch.randn(9, 37) * 4, torch.randn(9, 37)], dim=1)
     gate_up[0, :6] = torch.tensor([-100.0, -30.0, 0.0, 30.0, 100.0, 1e-3])  # the tails of the sigmoid

@@ -26,6 +26,37 @@ def test_greedy_takes_the_argmax():
     assert Sampler()(LOGITS.clone(), [req(SamplingParams(temperature=0))]).token_ids == [1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_rows_through_the_compiled_argmax_match_torchs(ops, dtype):
+    """The compiled argmax takes plain greedy batches straight off the model's logits (no float32
+    copy) and the greedy rows of mixed ones; both give torch's tokens."""
+    logits = (torch.randn(8, 1000) * 3).to(dtype)
+    logits[3, 10] = logits[3, 20] = logits[3].max() + 1  # a tie: the first
+    want = logits.float().max(dim=-1).indices.tolist()
+    plain = [req(SamplingParams(temperature=0)) for _ in range(8)]
+    assert Sampler(ops=ops)(logits.clone(), plain).token_ids == want
+    mixed = [req(SamplingParams(temperature=0, logprobs=2 if i == 0 else None)) for i in range(8)]
+    mixed[5] = req(SamplingParams(temperature=1.0, top_k=1))
+    got = Sampler(ops=ops)(logits.clone(), mixed)
+    assert got.token_ids == want and got.logprobs is not None
+    assert [Sampler()(logits.clone(), plain).token_ids] == [want]
+
+
+@pytest.mark.parametrize("params,token", [
+    (SamplingParams(temperature=0, repetition_penalty=4.0), 2),
+    (SamplingParams(temperature=0, presence_penalty=2.0), 2),
+    (SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[1]), 2),
+    (SamplingParams(temperature=0, logprobs=1), 1),
+])
+def test_rows_that_edit_their_logits_leave_the_plain_argmax_path(ops, params, token):
+    """A penalty or a min_tokens mask still moves the greedy token with the compiled argmax, as
+    without it (token 1 is the argmax of LOGITS and the one already output)."""
+    r = req(params, prompt=(4,), output=(1,))
+    got = Sampler(ops=ops)(LOGITS.clone(), [r])
+    assert got.token_ids == Sampler()(LOGITS.clone(), [r]).token_ids == [token]
+    assert (got.logprobs is not None) == (params.logprobs is not None)
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0, top_k=1),
     SamplingParams(temperature=1.0, top_p=0.01),

@@ -134,6 +134,53 @@ void check_float(const at::Tensor& t, const char* name) {
               " must be float32 or bfloat16, not ", t.scalar_type());
 }
 
+// The index of each row's first maximum, as torch's max(dim=-1).indices: the first NaN where a
+// row holds one (NaN compares greater than everything there), else the first element equal to the
+// row's maximum. Two passes over the row, both from cache: a vector max, then a vector search for
+// the first lane equal to it. torch's own max over dim reads 49,152 logits at 3-6 ns an element
+// on a 2-core Sapphire Rapids: 3-10 ms a decode step at batch 32, more than a layer's work.
+template <typename T>
+int64_t argmax_row(const T* row, int64_t n) {
+  const int64_t nv = n - n % kVf;
+  vf vmax = vf{} - INFINITY;
+  bool nan = false;
+  for (int64_t i = 0; i < nv; i += kVf) {
+    const vf v = loadf(row + i);
+    nan |= any_lane(v != v);
+    vmax = v > vmax ? v : vmax;
+  }
+  float best = -INFINITY;
+  for (int64_t l = 0; l < kVf && nv; ++l) best = std::max(best, vmax[l]);
+  for (int64_t i = nv; i < n; ++i) {
+    const float v = load(row, i);
+    nan |= v != v;
+    best = std::max(best, v);
+  }
+  if (nan) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = load(row, i);
+      if (v != v) return i;
+    }
+  }
+  for (int64_t i = 0; i < nv; i += kVf) {
+    if (any_lane(loadf(row + i) == best)) {
+      for (int64_t j = i;; ++j) if (load(row, j) == best) return j;
+    }
+  }
+  for (int64_t i = nv; i < n; ++i) if (load(row, i) == best) return i;
+  return 0;  // every element -inf: the first, as torch
+}
+
+template <typename T>
+void argmax_kernel(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * xs, n);
+  });
+}
+
 }  // namespace
 
 namespace pdserve_cpu {
@@ -200,11 +247,22 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::
   }
 }
 
+// [R, N] float32 or bfloat16 rows (contiguous along N) -> int64 [R]: max(dim=-1).indices.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1, "x must be [R, N] with N > 0 and contiguous rows");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  if (x.scalar_type() == at::kFloat) argmax_kernel<float>(x, out);
+  else argmax_kernel<c10::BFloat16>(x, out);
+  return out;
+}
+
 }  // namespace pdserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor y, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
 }
@@ -212,6 +270,7 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("rms_norm", &pdserve_cpu::rms_norm);
   m.impl("silu_mul", &pdserve_cpu::silu_mul);
+  m.impl("argmax_rows", &pdserve_cpu::argmax_rows);
   m.impl("add_rms_norm_", &pdserve_cpu::add_rms_norm_);
   m.impl("rotary_", &pdserve_cpu::rotary_);
 }

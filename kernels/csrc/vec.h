@@ -5,7 +5,7 @@
 
 #include <c10/util/BFloat16.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -112,6 +112,19 @@ template <typename T> inline vf loadf(const T* p) { return load8(p); }
 template <typename T> inline void storef(T* p, vf v) { store8(p, v); }
 #endif
 constexpr int64_t kVf = sizeof(vf) / sizeof(float);
+
+// Whether any lane of a vf comparison (all ones where true) is true: one mask test.
+template <typename M>
+inline bool any_lane(M m) {
+#if defined(__AVX512F__)
+  return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
+#elif defined(__AVX__)
+  return _mm256_movemask_ps((__m256)m) != 0;
+#else
+  for (int64_t l = 0; l < kVf; ++l) if (m[l]) return true;
+  return false;
+#endif
+}
 
 // 1 / x. A 512-bit division issues once every ~10 cycles, which bounded the SiLU-mul; AVX-512's
 // 14-bit reciprocal estimate refined by one Newton step is within about 1e-8 relative.
