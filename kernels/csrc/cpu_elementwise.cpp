@@ -134,41 +134,17 @@ void check_float(const at::Tensor& t, const char* name) {
               " must be float32 or bfloat16, not ", t.scalar_type());
 }
 
-// The index of each row's first maximum, as torch's max(dim=-1).indices: the first NaN where a
-// row holds one (NaN compares greater than everything there), else the first element equal to the
-// row's maximum. Two passes over the row, both from cache: a vector max, then a vector search for
-// the first lane equal to it. torch's own max over dim reads 49,152 logits at 3-6 ns an element
-// on a 2-core Sapphire Rapids: 3-10 ms a decode step at batch 32, more than a layer's work.
+// The index of a row's first maximum, as torch's max(dim=-1).indices: the first NaN where the row
+// holds one (NaN counts as greater than everything there), else the first element equal to the
+// row's maximum; an all -inf row gives 0. Vector passes over a row that stays in cache. torch's own
+// max over dim read 49,152 logits at 3-6 ns an element on a 2-core Sapphire Rapids: 3-10 ms a
+// decode step at batch 32, more than a layer's work.
 template <typename T>
 int64_t argmax_row(const T* row, int64_t n) {
-  const int64_t nv = n - n % kVf;
-  vf vmax = vf{} - INFINITY;
-  bool nan = false;
-  for (int64_t i = 0; i < nv; i += kVf) {
-    const vf v = loadf(row + i);
-    nan |= any_lane(v != v);
-    vmax = v > vmax ? v : vmax;
-  }
-  float best = -INFINITY;
-  for (int64_t l = 0; l < kVf && nv; ++l) best = std::max(best, vmax[l]);
-  for (int64_t i = nv; i < n; ++i) {
-    const float v = load(row, i);
-    nan |= v != v;
-    best = std::max(best, v);
-  }
-  if (nan) {
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = load(row, i);
-      if (v != v) return i;
-    }
-  }
-  for (int64_t i = 0; i < nv; i += kVf) {
-    if (any_lane(loadf(row + i) == best)) {
-      for (int64_t j = i;; ++j) if (load(row, j) == best) return j;
-    }
-  }
-  for (int64_t i = nv; i < n; ++i) if (load(row, i) == best) return i;
-  return 0;  // every element -inf: the first, as torch
+  const int64_t nan = find_first(row, n, [](auto v) { return v != v; });
+  if (nan < n) return nan;
+  const float best = row_max(row, n);
+  return find_first(row, n, [best](auto v) { return v == best; });
 }
 
 template <typename T>

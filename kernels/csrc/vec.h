@@ -9,6 +9,8 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -139,6 +141,31 @@ inline vf reciprocal(vf x) {
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// The largest of x[0, n), a vector at a time; NaNs are passed over (-inf for an empty or all-NaN row).
+template <typename T>
+inline float row_max(const T* x, int64_t n) {
+  vf vmax = vf{} - INFINITY;
+  int64_t i = 0;
+  for (; i + kVf <= n; i += kVf) {
+    const vf v = loadf(x + i);
+    vmax = v > vmax ? v : vmax;
+  }
+  float m = -INFINITY;
+  for (int64_t l = 0; l < kVf; ++l) m = std::max(m, vmax[l]);
+  for (; i < n; ++i) m = std::max(m, to_float(x[i]));
+  return m;
+}
+
+// The first i in [0, n) where hit(x[i]), else n: `hit` takes a vf (a lane mask back) and a float.
+template <typename T, typename Hit>
+inline int64_t find_first(const T* x, int64_t n, Hit hit) {
+  int64_t i = 0;
+  while (i + kVf <= n && !any_lane(hit(loadf(x + i)))) i += kVf;
+  for (; i < n; ++i)
+    if (hit(to_float(x[i]))) return i;
+  return n;
+}
 
 template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }
