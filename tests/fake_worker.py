@@ -406,7 +406,10 @@ class RouterHarness:
         kw.setdefault("auth", self.auth)
         w = FakeWorker(self.control_address, worker_id, role, **kw).start()
         self.workers.append(w)
-        self.wait_until(lambda: worker_id in self.service.registry.workers)
+        # A loaded CI machine has taken over 5 s to register one: wait long, and fail here, not
+        # with a 503 from the test's first request.
+        if not self.wait_until(lambda: worker_id in self.service.registry.workers, timeout=30.0):
+            raise TimeoutError(f"fake worker {worker_id} did not register within 30 s")
         return w
 
     @staticmethod
