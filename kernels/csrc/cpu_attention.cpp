@@ -108,9 +108,10 @@ inline void row_offsets(const int32_t* blocks, int64_t h, int64_t ctx, const Geo
 
 // scores[g * ctx + pos] = qf[g] . k[pos] for the G query heads of one KV head. G is a template
 // parameter so the G accumulators of two positions at a time stay in registers (2G independent
-// FMA chains); each key row is loaded once for the whole group. Needs d % 8 == 0.
+// FMA chains); each key row is loaded once for the whole group. Needs d % 8 == 0. `ld` is the
+// distance between two heads' rows of scores: ctx, or more where this scores scores_quad's tail.
 template <int G, typename T>
-void scores_vec(const float* qf, const T* kp, const int64_t* rows, int64_t ctx, const Geometry& geo,
+void scores_vec(const float* qf, const T* kp, const int64_t* rows, int64_t ctx, int64_t ld, const Geometry& geo,
                 float* scores) {
   const int64_t d = geo.d;
   int64_t pos = 0;
@@ -135,8 +136,8 @@ void scores_vec(const float* qf, const T* kp, const int64_t* rows, int64_t ctx, 
       }
     }
     for (int g = 0; g < G; ++g) {
-      scores[g * ctx + pos] = hsum(a0[g]);
-      scores[g * ctx + pos + 1] = hsum(a1[g]);
+      scores[g * ld + pos] = hsum(a0[g]);
+      scores[g * ld + pos + 1] = hsum(a1[g]);
     }
   }
   for (; pos < ctx; ++pos) {
@@ -146,9 +147,49 @@ void scores_vec(const float* qf, const T* kp, const int64_t* rows, int64_t ctx, 
       const v8 x0 = load8(k0 + i);
       for (int g = 0; g < G; ++g) a0[g] += load8(qf + g * d + i) * x0;
     }
-    for (int g = 0; g < G; ++g) scores[g * ctx + pos] = hsum(a0[g]);
+    for (int g = 0; g < G; ++g) scores[g * ld + pos] = hsum(a0[g]);
   }
 }
+
+#if defined(__AVX__)
+// scores_vec for groups of at most 3 on 256-bit vectors, four positions at a time: the G x 4
+// accumulators stay in registers, and a tree of three horizontal adds turns each query head's four
+// partial vectors into its four scores, stored together. scores_vec sums each score's lanes one by
+// one, which took about as long as the products (on a 2-core AVX2 EPYC, 30 layers at batch 32 and
+// context 256 from L3: 10.6 -> 9.3 ms).
+template <int G, typename T>
+void scores_quad(const float* qf, const T* kp, const int64_t* rows, int64_t ctx, const Geometry& geo,
+                 float* scores) {
+  static_assert(G * 4 <= 12, "G x 4 accumulators must leave registers for the loads");
+  const int64_t d = geo.d, row_bytes = d * static_cast<int64_t>(sizeof(T));
+  constexpr int64_t kAhead = 8;  // positions; rows of another block are not where the hardware prefetcher looks
+  int64_t pos = 0;
+  for (; pos + 4 <= ctx; pos += 4) {
+    const T* k[4];
+    for (int p = 0; p < 4; ++p) k[p] = kp + rows[pos + p];
+    for (int p = 0; p < 4 && pos + kAhead + p < ctx; ++p) {
+      const char* ahead = reinterpret_cast<const char*>(kp + rows[pos + kAhead + p]);
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
+    }
+    v8 acc[G][4] = {};
+    for (int64_t i = 0; i < d; i += 8) {
+      v8 x[4];
+      for (int p = 0; p < 4; ++p) x[p] = load8(k[p] + i);
+      for (int g = 0; g < G; ++g) {
+        const v8 qv = load8(qf + g * d + i);
+        for (int p = 0; p < 4; ++p) acc[g][p] += qv * x[p];
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m256 h01 = _mm256_hadd_ps((__m256)acc[g][0], (__m256)acc[g][1]);
+      const __m256 h23 = _mm256_hadd_ps((__m256)acc[g][2], (__m256)acc[g][3]);
+      const __m256 h = _mm256_hadd_ps(h01, h23);  // each 128-bit half: one partial sum of the 4 scores
+      _mm_storeu_ps(scores + g * ctx + pos, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+  }
+  if (pos < ctx) scores_vec<G>(qf, kp, rows + pos, ctx - pos, ctx, geo, scores + pos);  // the last 0-3
+}
+#endif
 
 // The same for any group size and head size.
 template <typename T>
@@ -185,8 +226,13 @@ bool by_group(int64_t group, F&& f) {
 template <typename T>
 void scores_dispatch(const float* qf, const T* kp, const int64_t* rows, int64_t ctx, const Geometry& geo,
                      float* scores) {
-  if (geo.d % 8 == 0 &&
-      by_group(geo.group, [&](auto g) { scores_vec<decltype(g)::value>(qf, kp, rows, ctx, geo, scores); }))
+  if (geo.d % 8 == 0 && by_group(geo.group, [&](auto g) {
+        constexpr int G = decltype(g)::value;
+#if defined(__AVX__)
+        if constexpr (G <= 3) return scores_quad<G>(qf, kp, rows, ctx, geo, scores);
+#endif
+        scores_vec<G>(qf, kp, rows, ctx, ctx, geo, scores);
+      }))
     return;
   scores_any(qf, kp, rows, ctx, geo, scores);
 }
