@@ -44,23 +44,29 @@ class ReferenceBackend(AttentionBackend):
             prefix = ctx - q_len
             if prefix == 0:
                 k, v = key[start:end], value[start:end]
-                mask = None
             else:
                 k = gather_kv(k_cache, block_tables[b], ctx)
                 v = gather_kv(v_cache, block_tables[b], ctx)
-                rows = torch.arange(q_len, device=q.device).unsqueeze(1) + prefix
-                mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
-            o = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1).unsqueeze(0),
-                k.to(q.dtype).transpose(0, 1).unsqueeze(0),
-                v.to(q.dtype).transpose(0, 1).unsqueeze(0),
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[start:end] = o.squeeze(0).transpose(0, 1)
+            out[start:end] = self.causal_attention(q[start:end], k.to(q.dtype), v.to(q.dtype), prefix, scale)
         return out
+
+    def causal_attention(self, q, k, v, offset: int, scale: float) -> torch.Tensor:
+        """One sequence: q [T, Hq, D] at positions offset .. offset+T-1 over k, v [offset+T, Hkv, D],
+        query t seeing keys 0 .. offset+t. Returns [T, Hq, D]. SDPA, with a mask where offset > 0."""
+        mask = None
+        if offset > 0:
+            rows = torch.arange(q.shape[0], device=q.device).unsqueeze(1) + offset
+            mask = torch.arange(k.shape[0], device=q.device).unsqueeze(0) <= rows
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return o.squeeze(0).transpose(0, 1)
 
     def decode_attention(self, q, k_cache, v_cache, seq_lens, block_tables, scale) -> torch.Tensor:
         check_shapes(q, k_cache, v_cache)

@@ -1,4 +1,4 @@
-"""The compiled CPU backend (kernels/csrc/cpu_attention.cpp) against the dense float64 oracle and
+"""The compiled CPU backend (kernels/csrc/cpu_attention.cpp, cpu_prefill.cpp) against the dense float64 oracle and
 the PyTorch reference: odd lengths, page sizes 1/7/16, GQA groups on the vectorised paths (1-8)
 and past them (9), head sizes that are and are not a multiple of 8 (and, on AVX-512, of 16 and
 32: attention_avx512.h; bfloat16 scores on AMX tiles where the CPU has AMX, over tiles of 16
@@ -147,6 +147,50 @@ def test_other_dtypes_run_the_reference(backend):
     out = run(backend, case)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.double(), oracle(case), atol=2e-3, rtol=2e-3)
+
+
+def run_prefill(backend, case):
+    return backend.prefill_attention(case.q, case.key, case.value, case.k_cache, case.v_cache, case.cu_seqlens_q,
+                                     case.seq_lens, case.block_tables, case.scale)
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_compiled_prefill_equals_dense_attention(backend, group, head_dim):
+    """float32 prefill through the blocked matmuls (cpu_prefill.cpp): whole prompts and prompts
+    over a cached prefix, lengths below, at and across the 64-token blocks, packed in one step."""
+    case = make_case([1, 5, 64, 65, 130, 200, 3], [0, 0, 0, 17, 0, 63, 300], num_kv_heads=2, group=group,
+                     head_dim=head_dim, block_size=16, seed=5)
+    torch.testing.assert_close(run_prefill(backend, case).double(), oracle(case), atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_prefill_matches_sdpa_on_the_models_shapes(backend):
+    """SmolLM2's shapes (9 query heads over 3 KV heads, D 64), 1,024 tokens: the same as SDPA."""
+    q, k, v = torch.randn(1024, 9, 64), torch.randn(1024, 3, 64), torch.randn(1024, 3, 64)
+    ours = backend.causal_attention(q, k, v, 0, 0.125)
+    torch.testing.assert_close(ours, ReferenceBackend().causal_attention(q, k, v, 0, 0.125), atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_prefill_refuses_mismatched_keys_and_other_dtypes(backend):
+    q, k = torch.randn(4, 6, 16), torch.randn(9, 2, 16)
+    with pytest.raises(RuntimeError, match="expected 8 keys .*got 9"):
+        backend.ops.prefill_attention(q, k, k, 4, 0.25)  # offset 4 + 4 queries is 8 keys, not 9
+    with pytest.raises(RuntimeError, match="float32"):
+        backend.ops.prefill_attention(q.bfloat16(), k[:4].bfloat16(), k[:4].bfloat16(), 0, 0.25)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        backend.ops.prefill_attention(torch.randn(4, 5, 16), k[:4], k[:4], 0, 0.25)
+
+
+def test_bfloat16_prefill_stays_on_sdpa(backend, monkeypatch):
+    """bfloat16 prefill is SDPA's (oneDNN's AMX / AVX512-BF16 kernels), not the float32 matmuls."""
+    case = make_case([20], [0], num_kv_heads=2, group=3, head_dim=16, block_size=16, dtype=torch.bfloat16, seed=2)
+
+    def refuse(*args):
+        raise AssertionError("the float32 kernel ran on bfloat16")
+
+    monkeypatch.setattr(backend, "ops", type("Ops", (), {"prefill_attention": staticmethod(refuse)})())
+    out = run_prefill(backend, case)
+    torch.testing.assert_close(out.double(), oracle(case).to(out.dtype).double(), atol=2e-2, rtol=2e-2)
 
 
 def test_the_cpu_is_the_default_backend_on_cpu(monkeypatch):
