@@ -35,7 +35,7 @@ class CpuBackend(ReferenceBackend):
         # float32 only: in bfloat16, SDPA's oneDNN kernels use AMX / AVX512-BF16 where they exist.
         if q.dtype != torch.float32 or not computes(q, k, v):
             return super().causal_attention(q, k, v, offset, scale)
-        return self.ops.prefill_attention(q, k.contiguous(), v.contiguous(), offset, float(scale))  # type: ignore[attr-defined]
+        return self.ops.prefill_attention(q, k, v, offset, float(scale))  # type: ignore[attr-defined]
 
     def decode_attention(self, q, k_cache, v_cache, seq_lens, block_tables, scale) -> torch.Tensor:
         check_shapes(q, k_cache, v_cache)

@@ -165,8 +165,11 @@ def test_compiled_prefill_equals_dense_attention(backend, group, head_dim):
 
 
 def test_compiled_prefill_matches_sdpa_on_the_models_shapes(backend):
-    """SmolLM2's shapes (9 query heads over 3 KV heads, D 64), 1,024 tokens: the same as SDPA."""
-    q, k, v = torch.randn(1024, 9, 64), torch.randn(1024, 3, 64), torch.randn(1024, 3, 64)
+    """SmolLM2's shapes (9 query heads over 3 KV heads, D 64), 1,024 tokens, q, k and v strided views
+    of one projection's output as the model passes them: the same as SDPA."""
+    qkv = torch.randn(1024, (9 + 3 + 3) * 64)
+    q, k, v = (t.view(1024, -1, 64) for t in qkv.split([9 * 64, 3 * 64, 3 * 64], dim=1))
+    assert not k.is_contiguous()
     ours = backend.causal_attention(q, k, v, 0, 0.125)
     torch.testing.assert_close(ours, ReferenceBackend().causal_attention(q, k, v, 0, 0.125), atol=1e-5, rtol=1e-5)
 

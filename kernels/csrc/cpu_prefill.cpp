@@ -65,15 +65,14 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key, const a
   TORCH_CHECK(hkv > 0 && hq % hkv == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(offset >= 0 && keys == offset + tokens, "expected ", offset + tokens, " keys (offset ", offset, " + ",
               tokens, " queries), got ", keys);
-  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key.stride(0) == key.size(1) * d &&
-                  value.stride(0) == value.size(1) * d && key.stride(1) == d && value.stride(1) == d,
-              "key and value must be contiguous [Tk, Hkv, D]");
+  TORCH_CHECK(q.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1,
+              "q, key and value need a contiguous head dimension");
   const int64_t group = hq / hkv;
   const float fscale = static_cast<float>(scale);
   at::Tensor out = at::empty({tokens, hq, d}, q.options());
   if (tokens == 0) return out;
   // [Hkv, T * G, D]: each KV head's query rows, token by token, its G heads together.
-  const at::Tensor rows = q.contiguous().view({tokens, hkv, group, d}).transpose(0, 1).contiguous().view({hkv, tokens * group, d});
+  const at::Tensor rows = q.reshape({tokens, hkv, group, d}).transpose(0, 1).contiguous().view({hkv, tokens * group, d});
   float* op = out.data_ptr<float>();
   // Work items (KV head, token block), each on one thread with a single-threaded sgemm: at these
   // sizes MKL's own threads spent a sixth of the time waiting. A block costs in proportion to the
