@@ -67,6 +67,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key, const a
               tokens, " queries), got ", keys);
   TORCH_CHECK(q.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1,
               "q, key and value need a contiguous head dimension");
+  TORCH_CHECK(scale > 0, "scale must be positive, got ", scale);
   const int64_t group = hq / hkv;
   const float fscale = static_cast<float>(scale);
   at::Tensor out = at::empty({tokens, hq, d}, q.options());
