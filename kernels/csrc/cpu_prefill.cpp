@@ -3,15 +3,13 @@
 //   q [T, Hq, D]; key, value [Tk, Hkv, D] with Tk = offset + T; query t sits at position offset + t
 //   and sees keys 0 .. offset + t. Query heads h*G .. h*G+G-1 share KV head h.
 //
-// For each KV head and each block of query tokens (a work item, on one thread), the block's G
-// query heads are the rows of one
-// matmul against every key the block's last token sees (MKL's sgemm, through at::mm, reading the
-// keys and values in place at their stride), then a softmax per row over the keys that row sees
-// (the rest zeroed), then one matmul with the values, whose rows are divided by their sums as they
-// are written out. The upper triangle of the block's last keys is computed and discarded: with
-// blocks of 64 tokens that is 6% more work at 1,024 tokens. torch's SDPA (flash attention on the
-// CPU) ran these shapes at 50-70 GFLOP/s on a 2-core AVX2 EPYC; this runs at MKL's sgemm rate on
-// narrow shapes, 130-160 GFLOP/s. kernels/reference.py's SDPA path is the oracle.
+// A work item, on one thread, is one KV head and one block of 64 query tokens. The block's G query
+// heads are the rows of one sgemm (MKL's, through at::mm) against every key the block's last token
+// sees, read in place at their stride; then a softmax per row over the keys that row sees (the
+// rest zeroed); then one sgemm with the values, whose rows are divided by their sums as they are
+// written out. The upper triangle of the block's last keys is computed and discarded: 6% more work
+// at 1,024 tokens. On a 2-core AVX2 EPYC, SmolLM2's shapes: torch's SDPA (its CPU flash attention)
+// 50-90 GFLOP/s, this 90-130. kernels/reference.py's SDPA path is the oracle.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,21 +28,7 @@ constexpr int64_t kTokenBlock = 64;
 // Row r of s (n_row visible keys of `width`): p = exp(scale (s - max)) over the visible keys, zero
 // past them; returns 1 / sum p.
 inline float softmax_row(float* __restrict s, int64_t n_row, int64_t width, float scale) {
-  const float m = row_max(s, n_row);
-  vf vsum = {};
-  int64_t j = 0;
-  for (; j + kVf <= n_row; j += kVf) {
-    const vf e = exp_nonpositive((loadf(s + j) - m) * scale);
-    storef(s + j, e);
-    vsum += e;
-  }
-  float sum = hsum(vsum);
-  for (; j < n_row; ++j) {  // the tail, through one padded vector
-    v8 x = v8{} - 100.f;
-    x[0] = (s[j] - m) * scale;
-    s[j] = exp_nonpositive(x)[0];
-    sum += s[j];
-  }
+  const float sum = exp_shifted_sum(s, n_row, row_max(s, n_row), scale);
   std::fill(s + n_row, s + width, 0.f);
   return 1.f / sum;
 }

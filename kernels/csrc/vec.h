@@ -167,6 +167,27 @@ inline int64_t find_first(const T* x, int64_t n, Hit hit) {
   return n;
 }
 
+// In place: s[i] = exp(scale (s[i] - m)) for i < n, a native vector at a time (s[i] <= m and
+// scale > 0, so every exponent is at most 0); returns their sum. The softmaxes of decode and
+// prefill attention.
+inline float exp_shifted_sum(float* __restrict s, int64_t n, float m, float scale) {
+  vf vsum = {};
+  int64_t i = 0;
+  for (; i + kVf <= n; i += kVf) {
+    const vf e = exp_nonpositive((loadf(s + i) - m) * scale);
+    storef(s + i, e);
+    vsum += e;
+  }
+  float sum = hsum(vsum);
+  for (; i < n; ++i) {  // the tail, through one padded vector
+    v8 x = v8{} - 100.f;
+    x[0] = (s[i] - m) * scale;
+    s[i] = exp_nonpositive(x)[0];
+    sum += s[i];
+  }
+  return sum;
+}
+
 template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }
 
