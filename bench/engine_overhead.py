@@ -108,9 +108,10 @@ def bare_matmuls(engine: Engine, tokens: int, sampled_rows: int, repeats: int) -
 
 
 def decode_step_time(engine: Engine, batch: int, context: int, repeats: int) -> float:
-    # Room for every token the early requests decode while the later ones still prefill (a step
-    # takes 1,024 prompt tokens), so that each timed step decodes the whole batch; aborted after.
-    params = SamplingParams(temperature=0.0, max_tokens=repeats + 8 + batch * context // 1024, ignore_eos=True)
+    # Room for every token the early requests decode while the later ones still prefill, a step's
+    # token budget at a time, so that each timed step decodes the whole batch; aborted after.
+    prefill_steps = -(-batch * context // engine.scheduler.config.max_num_batched_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=repeats + 8 + prefill_steps, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"d{batch}-{i}", [1 + (i * 7 + j) % 1000 for j in range(context)], params)
     while any(r.is_prefilling for r in engine.scheduler.running) or engine.scheduler.waiting:

@@ -20,7 +20,7 @@ from pdserve.kernels.cpu_backend import CpuBackend
 from pdserve.kernels.reference import ReferenceBackend
 from pdserve.kernels.testing import make_case
 from tests.helpers.engine_runs import greedy_tokens
-from tests.test_kernels_reference import oracle
+from tests.test_kernels_reference import oracle, run_prefill
 
 
 @pytest.fixture(scope="module")
@@ -149,11 +149,6 @@ def test_other_dtypes_run_the_reference(backend):
     torch.testing.assert_close(out.double(), oracle(case), atol=2e-3, rtol=2e-3)
 
 
-def run_prefill(backend, case):
-    return backend.prefill_attention(case.q, case.key, case.value, case.k_cache, case.v_cache, case.cu_seqlens_q,
-                                     case.seq_lens, case.block_tables, case.scale)
-
-
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("head_dim", [16, 64])
 def test_compiled_prefill_equals_dense_attention(backend, group, head_dim):
@@ -161,7 +156,7 @@ def test_compiled_prefill_equals_dense_attention(backend, group, head_dim):
     over a cached prefix, lengths below, at and across the 64-token blocks, packed in one step."""
     case = make_case([1, 5, 64, 65, 130, 200, 3], [0, 0, 0, 17, 0, 63, 300], num_kv_heads=2, group=group,
                      head_dim=head_dim, block_size=16, seed=5)
-    torch.testing.assert_close(run_prefill(backend, case).double(), oracle(case), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(run_prefill(case, backend).double(), oracle(case), atol=1e-5, rtol=1e-5)
 
 
 def test_compiled_prefill_matches_sdpa_on_the_models_shapes(backend):
@@ -192,7 +187,7 @@ def test_bfloat16_prefill_stays_on_sdpa(backend, monkeypatch):
         raise AssertionError("the float32 kernel ran on bfloat16")
 
     monkeypatch.setattr(backend, "ops", type("Ops", (), {"prefill_attention": staticmethod(refuse)})())
-    out = run_prefill(backend, case)
+    out = run_prefill(case, backend)
     torch.testing.assert_close(out.double(), oracle(case).to(out.dtype).double(), atol=2e-2, rtol=2e-2)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.kernels.interface import AttentionBackend
 from pdserve.kernels.reference import ReferenceBackend
 from pdserve.kernels.testing import PagedCase, make_case
 
@@ -54,8 +55,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual.double(), expected, atol=ATOL, rtol=RTOL)
 
 
-def run_prefill(case: PagedCase) -> torch.Tensor:
-    return ReferenceBackend().prefill_attention(
+def run_prefill(case: PagedCase, backend: AttentionBackend | None = None) -> torch.Tensor:
+    return (backend or ReferenceBackend()).prefill_attention(
         case.q, case.key, case.value, case.k_cache, case.v_cache,
         case.cu_seqlens_q, case.seq_lens, case.block_tables, case.scale,
     )  # fmt: skip
