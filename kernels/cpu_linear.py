@@ -50,6 +50,18 @@ def linear(ops: object, x: torch.Tensor, panels: torch.Tensor, out_features: int
     return _rows_through(ops.linear, x, panels, out_features)  # type: ignore[attr-defined]
 
 
+def fuses_silu_mul(intermediate: int) -> bool:
+    """Whether a gate/up projection of this intermediate size can apply SiLU-mul in the panel
+    kernel (`linear_silu_mul`): each half must be whole panels."""
+    return intermediate % PANEL == 0
+
+
+def linear_silu_mul(ops: object, x: torch.Tensor, panels: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """silu(gate) * up of x [..., K] through the panels of a gate/up weight [2 I, K] (the gate's
+    I columns, then the up's), in one pass: -> [..., I]. Needs fuses_silu_mul(I)."""
+    return _rows_through(ops.linear_silu_mul, x, panels, intermediate)  # type: ignore[attr-defined]
+
+
 def amx_tiles_run(ops: object | None) -> bool:
     """Whether the tile kernel runs on AMX here (compiled for it, and the OS granted the process
     AMX's register state); elsewhere it runs a portable loop over the same layout, too slow to pick."""

@@ -75,9 +75,16 @@ class Linear(nn.Module):
                 return w
         return None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _runs_tiles(self, x: torch.Tensor) -> bool:
         rows = x.numel() // x.shape[-1]
-        if self.tiles is not None and (self.packed is None or rows <= cpu_linear.TILE_MAX_ROWS):
+        return self.tiles is not None and (self.packed is None or rows <= cpu_linear.TILE_MAX_ROWS)
+
+    def runs_panels(self, x: torch.Tensor) -> bool:
+        """Whether forward(x) goes through the panel kernel."""
+        return self.panels is not None and not self._runs_tiles(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._runs_tiles(x):
             return cpu_linear.tile_linear(self.ops, x, self.tiles, self.out_features)
         if self.panels is not None:
             return cpu_linear.linear(self.ops, x, self.panels, self.out_features)
@@ -213,7 +220,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
-            return self.down_proj(self.fused.silu_mul(self.gate_up_proj(x)))
+            gate_up = self.gate_up_proj
+            if gate_up.runs_panels(x) and cpu_linear.fuses_silu_mul(self.intermediate_size):
+                return self.down_proj(cpu_linear.linear_silu_mul(gate_up.ops, x, gate_up.panels, self.intermediate_size))
+            return self.down_proj(self.fused.silu_mul(gate_up(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

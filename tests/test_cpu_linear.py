@@ -74,6 +74,96 @@ def test_the_compiled_linear_refuses_inputs_that_do_not_fit(ops, x, n, match):
         ops.linear(x, cpu_linear.pack_weight(torch.randn(30, 8)), n)
 
 
+def gate_up_weight(intermediate: int, in_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    torch.manual_seed(intermediate + in_features)
+    return (torch.randn(2 * intermediate, in_features) / in_features**0.5).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 3, 5, 48, 61, 200])
+@pytest.mark.parametrize("intermediate,in_features", [(24, 7), (48, 96), (96, 1025)])
+def test_the_fused_gate_up_is_the_silu_mul_of_the_compiled_linear_to_the_bit(ops, dtype, rows, intermediate, in_features):
+    """linear_silu_mul computes the same gate and up tiles as `linear` and applies the same
+    SiLU-mul row, so it equals the two ops in sequence exactly, in float32 and in bfloat16 (where
+    the gate and up round to bfloat16 first, as the separate ops' intermediate does), at every row
+    count the kernel tiles differently and on strided rows."""
+    w = gate_up_weight(intermediate, in_features, dtype)
+    panels = cpu_linear.pack_weight(w)
+    x = (torch.randn(rows, in_features + 8) * 3)[:, :in_features].to(dtype)
+    got = cpu_linear.linear_silu_mul(ops, x, panels, intermediate)
+    assert got.shape == (rows, intermediate) and got.dtype == dtype
+    assert torch.equal(got, ops.silu_mul(ops.linear(x, panels, 2 * intermediate)))
+
+
+def test_the_fused_gate_up_computes_the_eager_mlp_activation(ops):
+    """Against the oracle: silu(x Wg^T) * (x Wu^T) from plain matmuls, leading dimensions kept."""
+    w = gate_up_weight(72, 40)
+    x = torch.randn(2, 5, 40) * 3
+    got = cpu_linear.linear_silu_mul(ops, x, cpu_linear.pack_weight(w), 72)
+    gate, up = (x @ w.t()).chunk(2, dim=-1)
+    assert got.shape == (2, 5, 72)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "w,intermediate,x,match",
+    [
+        (torch.randn(40, 8), 20, torch.randn(2, 8), "whole panels"),  # 20 is not a multiple of 24
+        (torch.randn(96, 8), 24, torch.randn(2, 8), "whole panels"),  # 4 panels hold 48, not 2 x 24
+        (torch.randn(48, 8), 24, torch.randn(2, 7), "features"),
+        (torch.randn(48, 8), 24, torch.randn(2, 8, dtype=torch.float64), "dtype"),
+    ],
+)
+def test_the_fused_gate_up_refuses_weights_and_inputs_that_do_not_fit(ops, w, intermediate, x, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.linear_silu_mul(x, cpu_linear.pack_weight(w), intermediate)
+
+
+@pytest.mark.parametrize("intermediate", [48, 40])
+def test_the_mlp_applies_silu_mul_in_the_gate_up_kernel_where_its_halves_are_whole_panels(
+    ops, monkeypatch, intermediate
+):
+    """With panels and the fused ops, the MLP takes linear_silu_mul where the intermediate size is
+    a multiple of 24 and the separate silu_mul elsewhere; both equal the eager MLP."""
+    from pdserve.model.config import ModelConfig
+    from pdserve.model.llama import MLP
+
+    cfg = ModelConfig(architecture="llama", vocab_size=10, hidden_size=32, intermediate_size=intermediate,
+                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+    mlp = MLP(cfg)
+    for lin in (mlp.gate_up_proj, mlp.down_proj):
+        torch.nn.init.normal_(lin.weight, std=0.2)
+    x = torch.randn(6, 32)
+    with torch.inference_mode():
+        eager = mlp(x)
+        for lin in (mlp.gate_up_proj, mlp.down_proj):
+            lin.pack_panels(ops)
+        mlp.fused = ops
+        calls = []
+        fused = cpu_linear.linear_silu_mul
+        monkeypatch.setattr(cpu_linear, "linear_silu_mul", lambda *a: calls.append(a) or fused(*a))
+        got = mlp(x)
+    assert len(calls) == (1 if intermediate % cpu_linear.PANEL == 0 else 0)
+    torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_an_engine_whose_mlp_fuses_gives_the_tokens_of_the_plain_matmuls(tmp_path, monkeypatch):
+    """A model whose intermediate size (144) is whole panels: its prefills run the MLP through
+    linear_silu_mul and its decode steps through the compiled layers' fused gate/up, and its greedy
+    tokens equal those of the plain matmuls with the eager SiLU-mul."""
+    from pdserve.model.weights import load_model
+    from tests.helpers.tiny_llama import make_tiny_llama_dir
+
+    model = load_model(str(make_tiny_llama_dir(tmp_path, intermediate_size=144)))
+    fused_engine, fused = greedy(model, monkeypatch, "pdserve")
+    plain_engine, plain = greedy(model, monkeypatch, "mkl")
+    assert fused_engine.runner.compiled_decode
+    assert all(m.panels is not None for m in linears(fused_engine))
+    assert all(m.panels is None for m in linears(plain_engine))
+    assert all(len(v) == 12 for v in fused.values())
+    assert fused == plain
+
+
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_a_onednn_packed_linear_computes_the_plain_matmul(rows):
     torch.manual_seed(rows)

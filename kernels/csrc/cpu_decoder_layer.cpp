@@ -41,7 +41,7 @@ at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tenso
   store_kv_(k, v, k_cache, v_cache, slot_mapping);
   const at::Tensor attn = decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale);
   const at::Tensor h2 = add_rms_norm_(x, project(attn.view({tokens, q_size}), o, hidden), post_norm, eps);
-  const at::Tensor mlp = project(silu_mul(project(h2, gate_up, 2 * intermediate_size)), down, hidden);
+  const at::Tensor mlp = project(project_silu_mul(h2, gate_up, intermediate_size), down, hidden);
   return add_rms_norm_(x, mlp, after, eps);
 }
 

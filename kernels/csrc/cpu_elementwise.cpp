@@ -81,22 +81,7 @@ void silu_mul_kernel(const at::Tensor& gate_up, at::Tensor& out) {
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, rows, row_grain(inter), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* g = gp + r * gs;
-      const T* u = g + inter;
-      T* o = op + r * inter;
-      int64_t i = 0;
-      for (; i + kVf <= inter; i += kVf) {
-        const vf a = loadf(g + i);
-        const vf e = exp_nonpositive(a < 0.f ? a : -a);  // exp(-|a|): never overflows
-        const vf sig = (a < 0.f ? e : vf{} + 1.f) * reciprocal(1.f + e);
-        storef(o + i, a * sig * loadf(u + i));
-      }
-      for (; i < inter; ++i) {
-        const float a = load(g, i);
-        store(o, i, a / (1.f + std::exp(-a)) * load(u, i));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) silu_mul_row(gp + r * gs, gp + r * gs + inter, op + r * inter, inter);
   });
 }
 

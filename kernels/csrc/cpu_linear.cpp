@@ -38,10 +38,11 @@ constexpr int64_t kRowBlock = 48;
 //
 // Rows 0 .. MR-1 of x times one panel: y[m, 0..ncols) for each of those rows. Each step of k
 // prefetches `stride` bytes from `ahead` on (two lines when that is more than one, so that no
-// line is skipped).
+// line is skipped). Never inlined: inlined into linear_silu_mul's loop, GCC spilled an accumulator
+// to the stack on every step of k, and its 32-row matmuls ran at half speed.
 template <int MR, typename T>
-inline void tile(const T* x, int64_t ldx, const T* panel, int64_t k_size, T* y, int64_t ldy, int64_t ncols,
-                 const char* ahead, int64_t stride) {
+__attribute__((noinline)) void tile(const T* x, int64_t ldx, const T* panel, int64_t k_size, T* y, int64_t ldy,
+                                    int64_t ncols, const char* ahead, int64_t stride) {
   v8 acc[MR][kVectors];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kVectors; ++v) acc[m][v] = v8{};
@@ -115,6 +116,35 @@ void linear_kernel(const at::Tensor& x, const at::Tensor& panels, int64_t n, at:
   }
 }
 
+// silu(x Wg^T) * (x Wu^T) against the panels of W = [Wg; Wu] (a gate/up projection whose halves
+// are whole panels, intermediate % 24 == 0): gate panel j and up panel j + half go one after the
+// other into two L1 scratch tiles, and their SiLU-mul is written straight to y [M, intermediate].
+// The separate op read and wrote the [M, 2 intermediate] product once more: on a 2-core AVX2 EPYC,
+// 7 ms of a 365 ms 256-token prefill and 1 ms of a batch-32 decode step.
+template <typename T>
+void linear_silu_mul_kernel(const at::Tensor& x, const at::Tensor& panels, int64_t intermediate, at::Tensor& y) {
+  const int64_t rows = x.size(0), k_size = x.size(1), ldx = x.stride(0), half = intermediate / kPanel;
+  const int64_t panel_size = k_size * kPanel;
+  const T* xp = x.data_ptr<T>();
+  const T* wp = panels.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
+    const int64_t m_rows = std::min(kRowBlock, rows - m0);
+    at::parallel_for(0, half, 2, [&](int64_t begin, int64_t end) {
+      T gate[kRowBlock * kPanel], up[kRowBlock * kPanel];
+      for (int64_t j = begin; j < end; ++j) {
+        const T* gp = wp + j * panel_size;
+        const T* upp = wp + (j + half) * panel_size;
+        const T* next = j + 1 < end ? gp + panel_size : upp;
+        rows_by_panel(xp + m0 * ldx, ldx, m_rows, gp, k_size, gate, kPanel, kPanel, upp);
+        rows_by_panel(xp + m0 * ldx, ldx, m_rows, upp, k_size, up, kPanel, kPanel, next);
+        for (int64_t m = 0; m < m_rows; ++m)
+          silu_mul_row(gate + m * kPanel, up + m * kPanel, yp + (m0 + m) * intermediate + j * kPanel, kPanel);
+      }
+    });
+  }
+}
+
 }  // namespace
 
 namespace pdserve_cpu {
@@ -141,6 +171,38 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_fea
   return y;
 }
 
+at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_t intermediate) {
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "pdserve_cpu.linear_silu_mul runs on CPU tensors");
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K], got ", x.sizes());
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous(),
+              "panels must be a contiguous [P, K, ", kPanel, "] (kernels/cpu_linear.py pack_weight)");
+  TORCH_CHECK(x.scalar_type() == panels.scalar_type(), "x and the weight must share a dtype");
+  TORCH_CHECK(x.size(1) == panels.size(1), "x has ", x.size(1), " features, the weight takes ", panels.size(1));
+  TORCH_CHECK(intermediate > 0 && intermediate % kPanel == 0 && panels.size(0) * kPanel == 2 * intermediate,
+              "linear_silu_mul needs a gate/up weight of 2 x ", intermediate, " columns in whole panels of ", kPanel,
+              ", got ", panels.size(0), " panels");
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  at::Tensor y = at::empty({x.size(0), intermediate}, x.options());
+  if (x.size(0) == 0) return y;
+  if (x.scalar_type() == at::kFloat) {
+    linear_silu_mul_kernel<float>(xc, panels, intermediate, y);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    linear_silu_mul_kernel<c10::BFloat16>(xc, panels, intermediate, y);
+  } else {
+    TORCH_CHECK(false, "pdserve_cpu.linear_silu_mul supports float32 and bfloat16, not ", x.scalar_type());
+  }
+  return y;
+}
+
+at::Tensor project_silu_mul(const at::Tensor& x, const at::Tensor& weight, int64_t intermediate) {
+  if (fuses_silu_mul(weight, intermediate)) return linear_silu_mul(x, weight, intermediate);
+  return silu_mul(project(x, weight, 2 * intermediate));
+}
+
+bool fuses_silu_mul(const at::Tensor& weight, int64_t intermediate) {
+  return weight.dim() == 3 && weight.size(2) == kPanel && intermediate % kPanel == 0;
+}
+
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_features) {
   if (weight.dim() == 3) return linear(x, weight, out_features);
   if (weight.dim() == 5) return tile_linear(x, weight, out_features);
@@ -158,6 +220,12 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_fe
 
 }  // namespace pdserve_cpu
 
-TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) { m.def("linear(Tensor x, Tensor panels, int out_features) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def("linear(Tensor x, Tensor panels, int out_features) -> Tensor");
+  m.def("linear_silu_mul(Tensor x, Tensor panels, int intermediate) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("linear", &pdserve_cpu::linear); }
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
+  m.impl("linear", &pdserve_cpu::linear);
+  m.impl("linear_silu_mul", &pdserve_cpu::linear_silu_mul);
+}

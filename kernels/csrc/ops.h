@@ -26,6 +26,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_fea
 // 5-D AMX tiles to `tile_linear`, a 2-D [N, K] weight in oneDNN's packed layout
 // (model/llama.py Linear.pack_onednn) to oneDNN's matmul.
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_features);
+// silu(gate) * up of x through a gate/up weight [2 I, K] packed in 24-column panels, I % 24 == 0.
+at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_t intermediate);
+// Whether project_silu_mul fuses for this weight: panels, and an intermediate size of whole panels.
+bool fuses_silu_mul(const at::Tensor& weight, int64_t intermediate);
+// silu_mul(project(x, weight, 2 I)), in one pass where fuses_silu_mul holds.
+at::Tensor project_silu_mul(const at::Tensor& x, const at::Tensor& weight, int64_t intermediate);
 
 // cpu_linear_tiles.cpp
 at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);

@@ -191,4 +191,21 @@ inline float exp_shifted_sum(float* __restrict s, int64_t n, float m, float scal
 template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }
 
+// o[i] = silu(g[i]) * u[i] for i < n, a native vector at a time: SiLU-mul's row, shared by the
+// elementwise op and the gate/up projection that applies it on the way out (cpu_linear.cpp).
+template <typename T>
+inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
+  int64_t i = 0;
+  for (; i + kVf <= n; i += kVf) {
+    const vf a = loadf(g + i);
+    const vf e = exp_nonpositive(a < 0.f ? a : -a);  // exp(-|a|): never overflows
+    const vf sig = (a < 0.f ? e : vf{} + 1.f) * reciprocal(1.f + e);
+    storef(o + i, a * sig * loadf(u + i));
+  }
+  for (; i < n; ++i) {
+    const float a = to_float(g[i]);
+    o[i] = from_float<T>(a / (1.f + std::exp(-a)) * to_float(u[i]));
+  }
+}
+
 }  // namespace
