@@ -150,10 +150,11 @@ def test_other_dtypes_run_the_reference(backend):
 
 
 @pytest.mark.parametrize("group", [1, 3, 8])
-@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("head_dim", [16, 24, 64])
 def test_compiled_prefill_equals_dense_attention(backend, group, head_dim):
-    """float32 prefill through the blocked matmuls (cpu_prefill.cpp): whole prompts and prompts
-    over a cached prefix, lengths below, at and across the 64-token blocks, packed in one step."""
+    """float32 prefill through the blocked panel products (cpu_prefill.cpp): whole prompts and
+    prompts over a cached prefix, lengths below, at and across the 64-token blocks and their
+    48-row chunks, packed in one step; head sizes below, at and past the 24-column panels."""
     case = make_case([1, 5, 64, 65, 130, 200, 3], [0, 0, 0, 17, 0, 63, 300], num_kv_heads=2, group=group,
                      head_dim=head_dim, block_size=16, seed=5)
     torch.testing.assert_close(run_prefill(case, backend).double(), oracle(case), atol=1e-5, rtol=1e-5)

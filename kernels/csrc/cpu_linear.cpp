@@ -25,7 +25,7 @@
 
 namespace {
 
-constexpr int64_t kPanel = 24;
+constexpr int64_t kPanel = pdserve_cpu::kPanelColumns;
 constexpr int kVectors = kPanel / 8;
 constexpr int kMaxRows = 4;
 constexpr int64_t kRowBlock = 48;
@@ -169,6 +169,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_fea
     TORCH_CHECK(false, "pdserve_cpu.linear supports float32 and bfloat16, not ", x.scalar_type());
   }
   return y;
+}
+
+void panel_product(const float* x, int64_t ldx, int64_t rows, const float* panels, int64_t panel_stride, int64_t k_size,
+                   int64_t n, float* y, int64_t ldy) {
+  const int64_t num_panels = (n + kPanel - 1) / kPanel;
+  for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
+    const int64_t m_rows = std::min(kRowBlock, rows - m0);
+    for (int64_t p = 0; p < num_panels; ++p) {
+      const float* panel = panels + p * panel_stride;
+      const float* next = p + 1 < num_panels ? panel + panel_stride : panel;
+      rows_by_panel(x + m0 * ldx, ldx, m_rows, panel, k_size, y + m0 * ldy + p * kPanel, ldy,
+                    std::min(kPanel, n - p * kPanel), next);
+    }
+  }
 }
 
 at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_t intermediate) {

@@ -3,18 +3,23 @@
 //   q [T, Hq, D]; key, value [Tk, Hkv, D] with Tk = offset + T; query t sits at position offset + t
 //   and sees keys 0 .. offset + t. Query heads h*G .. h*G+G-1 share KV head h.
 //
-// A work item, on one thread, is one KV head and one block of 64 query tokens. The block's G query
-// heads are the rows of one sgemm (MKL's, through at::mm) against every key the block's last token
-// sees, read in place at their stride; then a softmax per row over the keys that row sees (the
-// rest zeroed); then one sgemm with the values, whose rows are divided by their sums as they are
-// written out. The upper triangle of the block's last keys is computed and discarded: 6% more work
-// at 1,024 tokens. On a 2-core AVX2 EPYC, SmolLM2's shapes: torch's SDPA (its CPU flash attention)
-// 50-90 GFLOP/s, this 90-130. kernels/reference.py's SDPA path is the oracle.
+// Each KV head's keys and values are first packed, once, into the panels of 24 columns that the
+// projections' kernel reads (cpu_linear.cpp): the keys as a weight [Tk, D] (scores = q k^T), the
+// values as one [D, Tk] (out = p v), so a block of queries runs against any prefix of them. A work
+// item, on one thread, is one KV head and one block of 64 query tokens, whose G query heads are
+// the rows of two products, 48 rows (16 tokens) at a time: scores against the keys the chunk's last
+// row sees, a softmax per row over the keys that row sees (the rest zeroed), then the product with
+// the values, whose rows are divided by their sums as they are written out. The upper triangle of
+// each chunk's last keys is computed and discarded. kernels/reference.py's SDPA path is the oracle.
+// On a 2-core AVX2 EPYC, SmolLM2's shapes, 30 layers, alternating in one process (best of 15):
+// the same blocks as whole-block sgemms (MKL through at::mm) 27.1 ms at 256 tokens and 345 ms at
+// 1,024; through the panels 21.8 and 317; torch's SDPA (its CPU flash attention) was slower still.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -24,6 +29,7 @@
 namespace {
 
 constexpr int64_t kTokenBlock = 64;
+constexpr int64_t kRowChunk = 48;  // rows of a block's product at a time (the panel kernel's row block)
 
 // Row r of s (n_row visible keys of `width`): p = exp(scale (s - max)) over the visible keys, zero
 // past them; returns 1 / sum p.
@@ -31,6 +37,32 @@ inline float softmax_row(float* __restrict s, int64_t n_row, int64_t width, floa
   const float sum = exp_shifted_sum(s, n_row, row_max(s, n_row), scale);
   std::fill(s + n_row, s + width, 0.f);
   return 1.f / sum;
+}
+
+// Rows [n, K] of src (row r at src + r * ld, K contiguous) as the panels of a weight with n output
+// columns: dst[p, k, j] = src[24 p + j, k], zero past n. dst holds ceil(n / 24) * K * 24.
+void pack_rows(const float* src, int64_t ld, int64_t n, int64_t k_size, float* dst) {
+  constexpr int64_t kCols = pdserve_cpu::kPanelColumns;
+  for (int64_t p = 0; p * kCols < n; ++p) {
+    float* panel = dst + p * k_size * kCols;
+    const int64_t cols = std::min(kCols, n - p * kCols);
+    for (int64_t k = 0; k < k_size; ++k)
+      for (int64_t j = 0; j < kCols; ++j) panel[k * kCols + j] = j < cols ? src[(p * kCols + j) * ld + k] : 0.f;
+  }
+}
+
+// Rows [K, n] of src (row k at src + k * ld) as the panels of a weight [n, K], i.e. its transpose:
+// dst[p, k, j] = src[k, 24 p + j], zero past n; a copy of 24 contiguous floats at a time.
+void pack_columns(const float* src, int64_t ld, int64_t n, int64_t k_size, float* dst) {
+  constexpr int64_t kCols = pdserve_cpu::kPanelColumns;
+  for (int64_t p = 0; p * kCols < n; ++p) {
+    float* panel = dst + p * k_size * kCols;
+    const int64_t cols = std::min(kCols, n - p * kCols);
+    for (int64_t k = 0; k < k_size; ++k) {
+      std::copy(src + k * ld + p * kCols, src + k * ld + p * kCols + cols, panel + k * kCols);
+      std::fill(panel + k * kCols + cols, panel + (k + 1) * kCols, 0.f);
+    }
+  }
 }
 
 }  // namespace
@@ -58,28 +90,53 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key, const a
   if (tokens == 0) return out;
   // [Hkv, T * G, D]: each KV head's query rows, token by token, its G heads together.
   const at::Tensor rows = q.reshape({tokens, hkv, group, d}).transpose(0, 1).contiguous().view({hkv, tokens * group, d});
+  const float* rp = rows.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // Work items (KV head, token block), each on one thread with a single-threaded sgemm: at these
-  // sizes MKL's own threads spent a sixth of the time waiting. A block costs in proportion to the
-  // keys it sees, so items go in pairs of a late and an early block, and each thread's contiguous
-  // share of them holds about as much work.
+  // Each head's keys and values as panels: [Hkv, ceil(Tk / 24), D, 24] and [Hkv, ceil(D / 24), Tk, 24].
+  const int64_t key_panels = (keys + kPanelColumns - 1) / kPanelColumns, value_panels = (d + kPanelColumns - 1) / kPanelColumns;
+  const int64_t key_pack = key_panels * d * kPanelColumns, value_pack = value_panels * keys * kPanelColumns;
+  const at::Tensor packing = at::empty({hkv * (key_pack + value_pack)}, q.options());
+  float* packed = packing.data_ptr<float>();
+  const float* kp = key.data_ptr<float>();
+  const float* vp = value.data_ptr<float>();
+  at::parallel_for(0, 2 * hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / 2;
+      float* dst = packed + h * (key_pack + value_pack);
+      if (item % 2 == 0) {
+        pack_rows(kp + h * key.stride(1), key.stride(0), keys, d, dst);
+      } else {
+        pack_columns(vp + h * value.stride(1), value.stride(0), d, keys, dst + key_pack);
+      }
+    }
+  });
+  // Work items (KV head, token block). A block costs in proportion to the keys it sees, so items
+  // go in pairs of a late and an early block, and each thread's contiguous share of them holds
+  // about as much work.
   const int64_t blocks = (tokens + kTokenBlock - 1) / kTokenBlock, items = hkv * blocks;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> inv(kTokenBlock * group);
+    std::vector<float> inv(kTokenBlock * group), s(kTokenBlock * group * keys), o(kTokenBlock * group * d);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / blocks, i = item % blocks;
       const int64_t block = i % 2 == 0 ? blocks - 1 - i / 2 : i / 2;
       const int64_t t0 = block * kTokenBlock, bt = std::min(kTokenBlock, tokens - t0), m = bt * group;
       const int64_t width = offset + t0 + bt;  // the keys this block's last token sees
-      const at::Tensor k_h = key.select(1, h), v_h = value.select(1, h);  // [Tk, D], rows Hkv * D apart
-      at::Tensor s = at::mm(rows[h].narrow(0, t0 * group, m), k_h.narrow(0, 0, width).t());  // [m, width]
-      float* sp = s.data_ptr<float>();
-      for (int64_t r = 0; r < m; ++r) inv[r] = softmax_row(sp + r * width, offset + t0 + r / group + 1, width, fscale);
-      const at::Tensor o = at::mm(s, v_h.narrow(0, 0, width));  // [m, D]
-      const float* o_p = o.data_ptr<float>();
+      const float* head_keys = packed + h * (key_pack + value_pack);
+      const float* head_values = head_keys + key_pack;
+      const float* q_rows = rp + (h * tokens * group + t0 * group) * d;
+      float* sp = s.data();  // [m, width]
+      // A chunk of rows at a time, against only the keys its last row sees: the discarded upper
+      // triangle shrinks from the block's 64 tokens to a chunk's 16 (SmolLM2's 3 query heads).
+      for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
+        const int64_t rc = std::min(kRowChunk, m - r0), seen = offset + t0 + (r0 + rc - 1) / group + 1;
+        panel_product(q_rows + r0 * d, d, rc, head_keys, d * kPanelColumns, d, seen, sp + r0 * width, width);
+        for (int64_t r = r0; r < r0 + rc; ++r)
+          inv[r] = softmax_row(sp + r * width, offset + t0 + r / group + 1, seen, fscale);
+        panel_product(sp + r0 * width, width, rc, head_values, keys * kPanelColumns, seen, d, o.data() + r0 * d, d);
+      }
       for (int64_t r = 0; r < m; ++r) {
         float* dst = op + ((t0 + r / group) * hq + h * group + r % group) * d;
-        const float* src = o_p + r * d;
+        const float* src = o.data() + r * d;
         for (int64_t j = 0; j < d; ++j) dst[j] = src[j] * inv[r];
       }
     }

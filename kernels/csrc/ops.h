@@ -33,6 +33,15 @@ bool fuses_silu_mul(const at::Tensor& weight, int64_t intermediate);
 // silu_mul(project(x, weight, 2 I)), in one pass where fuses_silu_mul holds.
 at::Tensor project_silu_mul(const at::Tensor& x, const at::Tensor& weight, int64_t intermediate);
 
+// y [rows, n] = x [rows, k_size] times a float32 weight in 24-column panels, on this thread only:
+// panel p starts at panels + p * panel_stride and its first k_size rows of 24 are read (so a panel
+// packed for a longer K serves any prefix of it). For kernels that run products inside their own
+// parallel work items (cpu_prefill.cpp).
+void panel_product(const float* x, int64_t ldx, int64_t rows, const float* panels, int64_t panel_stride, int64_t k_size,
+                   int64_t n, float* y, int64_t ldy);
+// Output columns per panel.
+constexpr int64_t kPanelColumns = 24;
+
 // cpu_linear_tiles.cpp
 at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
 
