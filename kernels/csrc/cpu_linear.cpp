@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -145,30 +146,40 @@ void linear_silu_mul_kernel(const at::Tensor& x, const at::Tensor& panels, int64
   }
 }
 
-}  // namespace
-
-namespace pdserve_cpu {
-
-at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features) {
-  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "pdserve_cpu.linear runs on CPU tensors");
+// The checks and the dtype dispatch both panel ops share: y [M, columns] from kernel<T>(x, y), x
+// with contiguous features.
+template <typename Kernel>
+at::Tensor run_on_panels(const char* op, const at::Tensor& x, const at::Tensor& panels, int64_t columns,
+                         const Kernel& kernel) {
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "pdserve_cpu.", op, " runs on CPU tensors");
   TORCH_CHECK(x.dim() == 2, "x must be [M, K], got ", x.sizes());
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous(),
               "panels must be a contiguous [P, K, ", kPanel, "] (kernels/cpu_linear.py pack_weight)");
   TORCH_CHECK(x.scalar_type() == panels.scalar_type(), "x and the weight must share a dtype");
   TORCH_CHECK(x.size(1) == panels.size(1), "x has ", x.size(1), " features, the weight takes ", panels.size(1));
-  TORCH_CHECK(out_features > (panels.size(0) - 1) * kPanel && out_features <= panels.size(0) * kPanel,
-              "out_features ", out_features, " does not fit ", panels.size(0), " panels");
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
-  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  at::Tensor y = at::empty({x.size(0), columns}, x.options());
   if (x.size(0) == 0) return y;
   if (x.scalar_type() == at::kFloat) {
-    linear_kernel<float>(xc, panels, out_features, y);
+    kernel(static_cast<float*>(nullptr), xc, y);
   } else if (x.scalar_type() == at::kBFloat16) {
-    linear_kernel<c10::BFloat16>(xc, panels, out_features, y);
+    kernel(static_cast<c10::BFloat16*>(nullptr), xc, y);
   } else {
-    TORCH_CHECK(false, "pdserve_cpu.linear supports float32 and bfloat16, not ", x.scalar_type());
+    TORCH_CHECK(false, "pdserve_cpu.", op, " supports float32 and bfloat16, not ", x.scalar_type());
   }
   return y;
+}
+
+}  // namespace
+
+namespace pdserve_cpu {
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features) {
+  TORCH_CHECK(panels.dim() != 3 || (out_features > (panels.size(0) - 1) * kPanel && out_features <= panels.size(0) * kPanel),
+              "out_features ", out_features, " does not fit ", panels.size(0), " panels");
+  return run_on_panels("linear", x, panels, out_features, [&](auto type, const at::Tensor& xc, at::Tensor& y) {
+    linear_kernel<std::remove_pointer_t<decltype(type)>>(xc, panels, out_features, y);
+  });
 }
 
 void panel_product(const float* x, int64_t ldx, int64_t rows, const float* panels, int64_t panel_stride, int64_t k_size,
@@ -186,26 +197,12 @@ void panel_product(const float* x, int64_t ldx, int64_t rows, const float* panel
 }
 
 at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_t intermediate) {
-  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "pdserve_cpu.linear_silu_mul runs on CPU tensors");
-  TORCH_CHECK(x.dim() == 2, "x must be [M, K], got ", x.sizes());
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous(),
-              "panels must be a contiguous [P, K, ", kPanel, "] (kernels/cpu_linear.py pack_weight)");
-  TORCH_CHECK(x.scalar_type() == panels.scalar_type(), "x and the weight must share a dtype");
-  TORCH_CHECK(x.size(1) == panels.size(1), "x has ", x.size(1), " features, the weight takes ", panels.size(1));
-  TORCH_CHECK(intermediate > 0 && intermediate % kPanel == 0 && panels.size(0) * kPanel == 2 * intermediate,
+  TORCH_CHECK(intermediate > 0 && intermediate % kPanel == 0 && panels.dim() == 3 && panels.size(0) * kPanel == 2 * intermediate,
               "linear_silu_mul needs a gate/up weight of 2 x ", intermediate, " columns in whole panels of ", kPanel,
-              ", got ", panels.size(0), " panels");
-  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
-  at::Tensor y = at::empty({x.size(0), intermediate}, x.options());
-  if (x.size(0) == 0) return y;
-  if (x.scalar_type() == at::kFloat) {
-    linear_silu_mul_kernel<float>(xc, panels, intermediate, y);
-  } else if (x.scalar_type() == at::kBFloat16) {
-    linear_silu_mul_kernel<c10::BFloat16>(xc, panels, intermediate, y);
-  } else {
-    TORCH_CHECK(false, "pdserve_cpu.linear_silu_mul supports float32 and bfloat16, not ", x.scalar_type());
-  }
-  return y;
+              ", got ", panels.sizes());
+  return run_on_panels("linear_silu_mul", x, panels, intermediate, [&](auto type, const at::Tensor& xc, at::Tensor& y) {
+    linear_silu_mul_kernel<std::remove_pointer_t<decltype(type)>>(xc, panels, intermediate, y);
+  });
 }
 
 at::Tensor project_silu_mul(const at::Tensor& x, const at::Tensor& weight, int64_t intermediate) {
