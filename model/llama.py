@@ -84,7 +84,7 @@ class Linear(nn.Module):
         return self.panels is not None and not self._runs_tiles(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._runs_tiles(x):
+        if self.tiles is not None and self._runs_tiles(x):
             return cpu_linear.tile_linear(self.ops, x, self.tiles, self.out_features)
         if self.panels is not None:
             return cpu_linear.linear(self.ops, x, self.panels, self.out_features)
