@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -115,7 +116,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key, const a
   // about as much work.
   const int64_t blocks = (tokens + kTokenBlock - 1) / kTokenBlock, items = hkv * blocks;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> inv(kTokenBlock * group), s(kTokenBlock * group * keys), o(kTokenBlock * group * d);
+    // Scratch, written before it is read: left uninitialised (at 8,192 keys, s is 6 MB a thread).
+    std::vector<float> inv(kTokenBlock * group);
+    const std::unique_ptr<float[]> s(new float[kTokenBlock * group * keys]), o(new float[kTokenBlock * group * d]);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / blocks, i = item % blocks;
       const int64_t block = i % 2 == 0 ? blocks - 1 - i / 2 : i / 2;
@@ -124,7 +127,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key, const a
       const float* head_keys = packed + h * (key_pack + value_pack);
       const float* head_values = head_keys + key_pack;
       const float* q_rows = rp + (h * tokens * group + t0 * group) * d;
-      float* sp = s.data();  // [m, width]
+      float* sp = s.get();  // [m, width]
       // A chunk of rows at a time, against only the keys its last row sees: the discarded upper
       // triangle shrinks from the block's 64 tokens to a chunk's 16 (SmolLM2's 3 query heads).
       for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
@@ -132,11 +135,11 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key, const a
         panel_product(q_rows + r0 * d, d, rc, head_keys, d * kPanelColumns, d, seen, sp + r0 * width, width);
         for (int64_t r = r0; r < r0 + rc; ++r)
           inv[r] = softmax_row(sp + r * width, offset + t0 + r / group + 1, seen, fscale);
-        panel_product(sp + r0 * width, width, rc, head_values, keys * kPanelColumns, seen, d, o.data() + r0 * d, d);
+        panel_product(sp + r0 * width, width, rc, head_values, keys * kPanelColumns, seen, d, o.get() + r0 * d, d);
       }
       for (int64_t r = 0; r < m; ++r) {
         float* dst = op + ((t0 + r / group) * hq + h * group + r % group) * d;
-        const float* src = o.data() + r * d;
+        const float* src = o.get() + r * d;
         for (int64_t j = 0; j < d; ++j) dst[j] = src[j] * inv[r];
       }
     }
