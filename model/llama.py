@@ -75,17 +75,21 @@ class Linear(nn.Module):
                 return w
         return None
 
-    def _runs_tiles(self, x: torch.Tensor) -> bool:
+    def _tiles_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The AMX tiles when forward(x) runs on them, else None."""
         rows = x.numel() // x.shape[-1]
-        return self.tiles is not None and (self.packed is None or rows <= cpu_linear.TILE_MAX_ROWS)
+        if self.packed is None or rows <= cpu_linear.TILE_MAX_ROWS:
+            return self.tiles
+        return None
 
     def runs_panels(self, x: torch.Tensor) -> bool:
         """Whether forward(x) goes through the panel kernel."""
-        return self.panels is not None and not self._runs_tiles(x)
+        return self.panels is not None and self._tiles_for(x) is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiles is not None and self._runs_tiles(x):
-            return cpu_linear.tile_linear(self.ops, x, self.tiles, self.out_features)
+        tiles = self._tiles_for(x)
+        if tiles is not None:
+            return cpu_linear.tile_linear(self.ops, x, tiles, self.out_features)
         if self.panels is not None:
             return cpu_linear.linear(self.ops, x, self.panels, self.out_features)
         if self.packed is not None:

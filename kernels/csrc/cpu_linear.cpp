@@ -29,7 +29,7 @@ namespace {
 constexpr int64_t kPanel = pdserve_cpu::kPanelColumns;
 constexpr int kVectors = kPanel / 8;
 constexpr int kMaxRows = 4;
-constexpr int64_t kRowBlock = 48;
+constexpr int64_t kRowBlock = pdserve_cpu::kPanelRowBlock;
 
 // While a thread multiplies panel p it prefetches panel p + 1, spread evenly over every row tile's
 // pass. A panel makes one pass per 4 rows, all but the first from cache; a prefetch only ahead in

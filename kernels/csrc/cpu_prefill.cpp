@@ -30,7 +30,7 @@
 namespace {
 
 constexpr int64_t kTokenBlock = 64;
-constexpr int64_t kRowChunk = 48;  // rows of a block's product at a time (the panel kernel's row block)
+constexpr int64_t kRowChunk = pdserve_cpu::kPanelRowBlock;  // rows of a block's product at a time
 
 // Row r of s (n_row visible keys of `width`): p = exp(scale (s - max)) over the visible keys, zero
 // past them; returns 1 / sum p.

@@ -39,8 +39,9 @@ at::Tensor project_silu_mul(const at::Tensor& x, const at::Tensor& weight, int64
 // parallel work items (cpu_prefill.cpp).
 void panel_product(const float* x, int64_t ldx, int64_t rows, const float* panels, int64_t panel_stride, int64_t k_size,
                    int64_t n, float* y, int64_t ldy);
-// Output columns per panel.
+// Output columns per panel, and the rows of x the panel kernel takes through a panel at a time.
 constexpr int64_t kPanelColumns = 24;
+constexpr int64_t kPanelRowBlock = 48;
 
 // cpu_linear_tiles.cpp
 at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
