@@ -4,8 +4,10 @@ Decode reads each sequence's keys and values in place from the paged cache, one 
 (sequence, KV head), parallel over torch's intra-op threads. store_kv is one compiled call per
 layer (a memcpy per token, slots checked once) instead of the reference's masking and two
 index_copy_ calls. A float32 prefill is blocked matmuls with the softmax between them
-(kernels/csrc/cpu_prefill.cpp: 1.3-1.5x torch's SDPA on a 2-core AVX2 EPYC); bfloat16 stays on
-SDPA, whose oneDNN kernels use AMX or AVX512-BF16 where the CPU has them.
+(kernels/csrc/cpu_prefill.cpp: 1.3-1.5x torch's SDPA on a 2-core AVX2 EPYC). A bfloat16 prefill
+runs on AMX tiles where the CPU has AMX and the head size is a multiple of 32
+(kernels/csrc/cpu_prefill_tiles.cpp: on a 2-core Sapphire Rapids 1.0-1.1x SDPA at 256 tokens and
+1.4x at 1,024); elsewhere it stays on SDPA, whose oneDNN kernels use AVX512-BF16 where it exists.
 Dtypes other than float32 and bfloat16, or a cache whose dtype differs from q's, fall back to
 the reference.
 """
@@ -25,6 +27,8 @@ class CpuBackend(ReferenceBackend):
 
     def __init__(self, ops: object) -> None:
         self.ops = ops
+        # The bfloat16 prefill kernel's tiles are only fast on AMX (elsewhere they are emulated).
+        self.amx_prefill = bool(getattr(ops, "prefill_attention_uses_amx", lambda: False)())
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         if not computes(key, value, k_cache):
@@ -32,10 +36,14 @@ class CpuBackend(ReferenceBackend):
         self.ops.store_kv_(key, value, k_cache, v_cache, slot_mapping)  # type: ignore[attr-defined]
 
     def causal_attention(self, q, k, v, offset: int, scale: float) -> torch.Tensor:
-        # float32 only: in bfloat16, SDPA's oneDNN kernels use AMX / AVX512-BF16 where they exist.
-        if q.dtype != torch.float32 or not computes(q, k, v):
+        if not computes(q, k, v) or (q.dtype == torch.bfloat16 and not self.amx_prefill_takes(q)):
             return super().causal_attention(q, k, v, offset, scale)
         return self.ops.prefill_attention(q, k, v, offset, float(scale))  # type: ignore[attr-defined]
+
+    def amx_prefill_takes(self, q: torch.Tensor) -> bool:
+        """Whether a bfloat16 prefill of q runs on the AMX tiles: the CPU has them and the head
+        size is whole tile rows (32 bfloat16)."""
+        return self.amx_prefill and q.shape[-1] % 32 == 0
 
     def decode_attention(self, q, k_cache, v_cache, seq_lens, block_tables, scale) -> torch.Tensor:
         check_shapes(q, k_cache, v_cache)

@@ -174,21 +174,55 @@ def test_compiled_prefill_refuses_mismatched_keys_and_other_dtypes(backend):
     q, k = torch.randn(4, 6, 16), torch.randn(9, 2, 16)
     with pytest.raises(RuntimeError, match="expected 8 keys .*got 9"):
         backend.ops.prefill_attention(q, k, k, 4, 0.25)  # offset 4 + 4 queries is 8 keys, not 9
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        backend.ops.prefill_attention(q.half(), k[:4].half(), k[:4].half(), 0, 0.25)
+    with pytest.raises(RuntimeError, match="q, key and value alike"):
+        backend.ops.prefill_attention(q.bfloat16(), k[:4], k[:4], 0, 0.25)
+    with pytest.raises(RuntimeError, match="multiples of 32"):
         backend.ops.prefill_attention(q.bfloat16(), k[:4].bfloat16(), k[:4].bfloat16(), 0, 0.25)
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
         backend.ops.prefill_attention(torch.randn(4, 5, 16), k[:4], k[:4], 0, 0.25)
 
 
-def test_bfloat16_prefill_stays_on_sdpa(backend, monkeypatch):
-    """bfloat16 prefill is SDPA's (oneDNN's AMX / AVX512-BF16 kernels), not the float32 matmuls."""
-    case = make_case([20], [0], num_kv_heads=2, group=3, head_dim=16, block_size=16, dtype=torch.bfloat16, seed=2)
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_bfloat16_prefill_on_tiles_is_attention_within_bfloat16_rounding(backend, group, head_dim):
+    """bfloat16 prefill through the tile kernel (cpu_prefill_tiles.cpp; AMX where the CPU has it,
+    else its emulation): whole prompts and prompts over a cached prefix, lengths below, at and
+    across the 32-row chunks and 32-key steps, packed in one step, against the float64 oracle."""
+    case = make_case([1, 5, 32, 33, 70, 3], [0, 0, 0, 17, 40, 100], num_kv_heads=2, group=group,
+                     head_dim=head_dim, block_size=16, dtype=torch.bfloat16, seed=7)
+    tiles = CpuBackend(backend.ops)
+    tiles.amx_prefill = True  # the kernel on this CPU too, emulated where it has no AMX
+    torch.testing.assert_close(run_prefill(case, tiles).double(), oracle(case), atol=2e-2, rtol=2e-2)
 
-    def refuse(*args):
-        raise AssertionError("the float32 kernel ran on bfloat16")
 
-    monkeypatch.setattr(backend, "ops", type("Ops", (), {"prefill_attention": staticmethod(refuse)})())
-    out = run_prefill(case, backend)
+def test_bfloat16_prefill_on_tiles_matches_sdpa_on_the_models_shapes(backend):
+    """SmolLM2's shapes, 300 tokens over a 40-token prefix, q, k and v strided views of one
+    projection's output: within bfloat16 rounding of SDPA in bfloat16."""
+    qkv = torch.randn(340, (9 + 3 + 3) * 64).bfloat16()
+    q, k, v = (t.view(340, -1, 64) for t in qkv.split([9 * 64, 3 * 64, 3 * 64], dim=1))
+    ours = backend.ops.prefill_attention(q[40:], k, v, 40, 0.125)
+    sdpa = ReferenceBackend().causal_attention(q[40:], k, v, 40, 0.125)
+    torch.testing.assert_close(ours.float(), sdpa.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(("amx", "head_dim", "tiles"), [(True, 64, True), (True, 16, False), (False, 64, False)])
+def test_bfloat16_prefill_runs_on_tiles_only_where_amx_runs_them(backend, monkeypatch, amx, head_dim, tiles):
+    """The tile kernel takes a bfloat16 prefill where the CPU has AMX and the head size is whole
+    tile rows; elsewhere SDPA (oneDNN's AVX512-BF16 kernels) does."""
+    case = make_case([20], [0], num_kv_heads=2, group=3, head_dim=head_dim, block_size=16, dtype=torch.bfloat16, seed=2)
+    calls = []
+
+    def tile_kernel(*args):
+        calls.append(args)
+        return backend.ops.prefill_attention(*args)
+
+    patched = CpuBackend(backend.ops)
+    patched.amx_prefill = amx
+    monkeypatch.setattr(patched, "ops", type("Ops", (), {"prefill_attention": staticmethod(tile_kernel)})())
+    out = run_prefill(case, patched)
+    assert bool(calls) == tiles
     torch.testing.assert_close(out.double(), oracle(case).to(out.dtype).double(), atol=2e-2, rtol=2e-2)
 
 

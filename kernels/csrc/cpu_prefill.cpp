@@ -1,4 +1,5 @@
-// Causal prefill attention of one sequence in float32 on the CPU, as blocked matmuls:
+// Causal prefill attention of one sequence on the CPU; float32 here, as blocked matmuls (bfloat16
+// goes to AMX tiles: cpu_prefill_tiles.cpp):
 //
 //   q [T, Hq, D]; key, value [Tk, Hkv, D] with Tk = offset + T; query t sits at position offset + t
 //   and sees keys 0 .. offset + t. Query heads h*G .. h*G+G-1 share KV head h.
@@ -74,8 +75,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key, const a
                              double scale) {
   TORCH_CHECK(q.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(),
               "pdserve_cpu.prefill_attention runs on CPU tensors");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
-              "pdserve_cpu.prefill_attention computes float32");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && key.scalar_type() == dtype && value.scalar_type() == dtype,
+              "pdserve_cpu.prefill_attention computes float32 or bfloat16, q, key and value alike");
   TORCH_CHECK(q.dim() == 3 && key.dim() == 3 && key.sizes() == value.sizes(), "expected q [T, Hq, D] and key, value [Tk, Hkv, D]");
   const int64_t tokens = q.size(0), hq = q.size(1), d = q.size(2), keys = key.size(0), hkv = key.size(1);
   TORCH_CHECK(key.size(2) == d, "q and key differ in head size");
@@ -85,6 +87,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key, const a
   TORCH_CHECK(q.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1,
               "q, key and value need a contiguous head dimension");
   TORCH_CHECK(scale > 0, "scale must be positive, got ", scale);
+  if (dtype == at::kBFloat16) return prefill_attention_tiles(q, key, value, offset, scale);
   const int64_t group = hq / hkv;
   const float fscale = static_cast<float>(scale);
   at::Tensor out = at::empty({tokens, hq, d}, q.options());

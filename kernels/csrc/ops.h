@@ -43,6 +43,10 @@ void panel_product(const float* x, int64_t ldx, int64_t rows, const float* panel
 constexpr int64_t kPanelColumns = 24;
 constexpr int64_t kPanelRowBlock = 48;
 
+// cpu_prefill_tiles.cpp: prefill_attention in bfloat16 (checked there), D a multiple of 32.
+at::Tensor prefill_attention_tiles(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value, int64_t offset,
+                                   double scale);
+
 // cpu_linear_tiles.cpp
 at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
 
