@@ -179,6 +179,32 @@ def test_a_onednn_packed_linear_computes_the_plain_matmul(rows):
     torch.testing.assert_close(packed, plain, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5,), (383,), (384,), (777,), (1280,), (1300,), (3, 200)])
+def test_the_compiled_onednn_linear_computes_onednns_matmul_whether_or_not_it_splits_the_rows(ops, dtype, shape):
+    """pdserve_cpu.onednn_linear, which hands each thread its own block of rows from 384 to 1,280
+    rows (2 threads, AMX CPUs), against oneDNN's own call on the same packed weight; leading
+    dimensions kept, in and out of inference mode (the pool's threads take the caller's mode)."""
+    if dtype == torch.bfloat16 and not onednn_linear_available(dtype):
+        pytest.skip("this CPU has no bfloat16 oneDNN matmul")
+    torch.manual_seed(len(shape) + shape[0])
+    weight, x = torch.randn(160, 96, dtype=dtype), torch.randn(*shape, 96, dtype=dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+    onednn = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 5e-2, "rtol": 1e-2}
+    torch.testing.assert_close(ops.onednn_linear(x, packed), onednn, **tol)
+    with torch.inference_mode():
+        ours = ops.onednn_linear(x, packed)
+    assert ours.shape == (*shape, 160)
+    torch.testing.assert_close(ours, onednn, **tol)
+
+
+def test_the_compiled_onednn_linear_refuses_a_weight_that_does_not_fit(ops):
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(160, 96), 64)
+    with pytest.raises(RuntimeError, match=r"x \[\.\.\., 96\]"):
+        ops.onednn_linear(torch.randn(4, 95), packed)
+
+
 def greedy(tiny, monkeypatch, mode):
     if mode is None:
         monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)

@@ -26,6 +26,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_fea
 // 5-D AMX tiles to `tile_linear`, a 2-D [N, K] weight in oneDNN's packed layout
 // (model/llama.py Linear.pack_onednn) to oneDNN's matmul.
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_features);
+// x W^T through oneDNN's packed copy of W [N, K] (model/llama.py Linear.pack_onednn), with the
+// rows split between the intra-op threads where each gets enough of them.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed);
 // silu(gate) * up of x through a gate/up weight [2 I, K] packed in 24-column panels, I % 24 == 0.
 at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_t intermediate);
 // Whether project_silu_mul fuses for this weight: panels, and an intermediate size of whole panels.
@@ -49,5 +52,7 @@ at::Tensor prefill_attention_tiles(const at::Tensor& q, const at::Tensor& key, c
 
 // cpu_linear_tiles.cpp
 at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
+// Whether this build and process run the tiles on AMX (amx.h).
+bool tile_linear_uses_amx();
 
 }  // namespace pdserve_cpu

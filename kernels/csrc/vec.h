@@ -193,18 +193,24 @@ inline T from_float(float x) { return static_cast<T>(x); }
 
 // o[i] = silu(g[i]) * u[i] for i < n, a native vector at a time: SiLU-mul's row, shared by the
 // elementwise op and the gate/up projection that applies it on the way out (cpu_linear.cpp).
+// The tail goes through one zero-padded vector, so every element is computed the same way
+// wherever a row ends: the gate/up projection applies this to rows of 24 (16 + a tail of 8 on
+// AVX-512) and must match the op, which takes whole rows of the intermediate size, to the bit.
 template <typename T>
 inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
-  int64_t i = 0;
-  for (; i + kVf <= n; i += kVf) {
-    const vf a = loadf(g + i);
+  const auto silu_mul = [](vf a, vf b) {
     const vf e = exp_nonpositive(a < 0.f ? a : -a);  // exp(-|a|): never overflows
     const vf sig = (a < 0.f ? e : vf{} + 1.f) * reciprocal(1.f + e);
-    storef(o + i, a * sig * loadf(u + i));
-  }
-  for (; i < n; ++i) {
-    const float a = to_float(g[i]);
-    o[i] = from_float<T>(a / (1.f + std::exp(-a)) * to_float(u[i]));
+    return a * sig * b;
+  };
+  int64_t i = 0;
+  for (; i + kVf <= n; i += kVf) storef(o + i, silu_mul(loadf(g + i), loadf(u + i)));
+  if (i < n) {
+    T gt[kVf] = {}, ut[kVf] = {}, ot[kVf];
+    std::copy(g + i, g + n, gt);
+    std::copy(u + i, u + n, ut);
+    storef(ot, silu_mul(loadf(gt), loadf(ut)));
+    std::copy(ot, ot + (n - i), o + i);
   }
 }
 
