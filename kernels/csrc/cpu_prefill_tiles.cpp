@@ -263,7 +263,8 @@ void prefill_on_tiles(const at::Tensor& q, const at::Tensor& key, const at::Tens
   const int64_t tokens = q.size(0), hq = q.size(1), d = q.size(2), keys = key.size(0), hkv = key.size(1);
   const int64_t group = hq / hkv, rows = tokens * group, padded_rows = round_up(rows, kRows);
   // [Hkv, rows padded to 32, D]: each KV head's query rows, token by token, its G heads together.
-  at::Tensor q_rows = at::zeros({hkv, padded_rows, d}, q.options());
+  at::Tensor q_rows = at::empty({hkv, padded_rows, d}, q.options());
+  q_rows.narrow(1, rows, padded_rows - rows).zero_();
   q_rows.narrow(1, 0, rows).copy_(q.reshape({tokens, hkv, group, d}).transpose(0, 1).reshape({hkv, rows, d}));
   const int64_t padded_keys = round_up(keys, kStep);
   const int64_t head_pack = 2 * padded_keys * d;  // the keys' tiles, then the values'

@@ -92,7 +92,29 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
+#if defined(__AVX512F__)
+// The same reduction and polynomial in AVX-512's own instructions: the clamp is one max, n is
+// rounded in place (vrndscaleps) and 2^n applied by vscalefps, where the generic form needs a
+// compare and blend, two conversions and the exponent-bit arithmetic; the softmaxes of prefill
+// attention spend most of their time here.
+inline v16 exp_nonpositive(v16 x) {
+  const __m512 xc = _mm512_max_ps((__m512)x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.4426950408889634f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.4286067653302e-06f),
+                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc));
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return (v16)_mm512_scalef_ps(p, n);
+}
+#else
 inline v16 exp_nonpositive(v16 x) { return exp_nonpositive_t<v16, i32x16>(x); }
+#endif
 
 inline v16 load16(const float* p) { return load_floats<v16>(p); }
 inline v16 load16(const c10::BFloat16* p) { return widen_bf16<v16, u16x16, u32x16>(p); }
