@@ -6,8 +6,8 @@ layer (a memcpy per token, slots checked once) instead of the reference's maskin
 index_copy_ calls. A float32 prefill is blocked matmuls with the softmax between them
 (kernels/csrc/cpu_prefill.cpp: 1.3-1.5x torch's SDPA on a 2-core AVX2 EPYC). A bfloat16 prefill
 runs on AMX tiles where the CPU has AMX and the head size is a multiple of 32
-(kernels/csrc/cpu_prefill_tiles.cpp: on a 2-core Sapphire Rapids 1.0-1.1x SDPA at 256 tokens and
-1.4x at 1,024); elsewhere it stays on SDPA, whose oneDNN kernels use AVX512-BF16 where it exists.
+(kernels/csrc/cpu_prefill_tiles.cpp: on a 2-core Sapphire Rapids 1.2x SDPA at 256 tokens and
+1.6x at 1,024); elsewhere it stays on SDPA, whose oneDNN kernels use AVX512-BF16 where it exists.
 Dtypes other than float32 and bfloat16, or a cache whose dtype differs from q's, fall back to
 the reference.
 """
