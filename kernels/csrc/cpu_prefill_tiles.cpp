@@ -265,7 +265,8 @@ void prefill_on_tiles(const at::Tensor& q, const at::Tensor& key, const at::Tens
   // [Hkv, rows padded to 32, D]: each KV head's query rows, token by token, its G heads together.
   at::Tensor q_rows = at::empty({hkv, padded_rows, d}, q.options());
   q_rows.narrow(1, rows, padded_rows - rows).zero_();
-  q_rows.narrow(1, 0, rows).copy_(q.reshape({tokens, hkv, group, d}).transpose(0, 1).reshape({hkv, rows, d}));
+  // One copy from q as it comes (often a strided view of the qkv projection's output).
+  q_rows.narrow(1, 0, rows).view({hkv, tokens, group, d}).copy_(q.reshape({tokens, hkv, group, d}).transpose(0, 1));
   const int64_t padded_keys = round_up(keys, kStep);
   const int64_t head_pack = 2 * padded_keys * d;  // the keys' tiles, then the values'
   at::Tensor packing = at::empty({hkv * head_pack}, q.options());
