@@ -24,6 +24,7 @@
 
 #include "amx.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -200,10 +201,7 @@ struct TileScores {
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t pos0 = 0; pos0 < ctx; pos0 += kLanes) {
       const int64_t n = ctx - pos0 < kLanes ? ctx - pos0 : kLanes;
-      for (int64_t j = 0; j < kLanes && pos0 + kAhead + j < ctx; ++j) {  // as `scores` below
-        prefetch_bytes(kp + rows[pos0 + kAhead + j], slot_bytes);
-        prefetch_bytes<_MM_HINT_T1>(vp + rows[pos0 + kAhead + j], slot_bytes);
-      }
+      const int64_t ahead = std::min(kLanes, ctx - pos0 - kAhead);  // the next tile's slots, prefetched
       bool even = n == kLanes;
       const int64_t stride = even ? rows[pos0 + 1] - rows[pos0] : 0;
       for (int64_t j = 2; even && j < kLanes; ++j) even = rows[pos0 + j] - rows[pos0 + j - 1] == stride;
@@ -223,6 +221,14 @@ struct TileScores {
       }
       const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
       for (int64_t h = 0; h < heads; ++h) {
+        // A share of the prefetches before each head's products, not the whole next tile's 192
+        // lines at once: perf put 58% of the kernel's samples just after those bursts (fill
+        // buffers full). Batch 64, context 300, 30 layers, bfloat16, Sapphire Rapids: 32.2-33.0 ->
+        // 29.2-29.4 ms from DRAM, 19.0 -> 18.1 from L3; two tiles ahead, spread, 30.2.
+        for (int64_t j = h * kLanes / heads; j < (h + 1) * kLanes / heads && j < ahead; ++j) {
+          prefetch_bytes(kp + rows[pos0 + kAhead + j], slot_bytes);
+          prefetch_bytes<_MM_HINT_T1>(vp + rows[pos0 + kAhead + j], slot_bytes);
+        }
         _tile_zero(0);
         for (int64_t s = 0; s < steps; ++s) {
           _tile_loadd(1, base + h * d + 32 * s, row_stride * static_cast<int64_t>(sizeof(c10::BFloat16)));
