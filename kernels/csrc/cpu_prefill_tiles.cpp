@@ -143,25 +143,6 @@ void pack_values(const bf16* src, int64_t ld, int64_t keys, int64_t d, bf16* dst
     }
 }
 
-// The largest of s[0, n), n > 0: four vectors at a time, so the maxima do not wait on each other.
-inline float scores_max(const float* s, int64_t n) {
-  vf m0 = vf{} - INFINITY, m1 = m0, m2 = m0, m3 = m0;
-  int64_t i = 0;
-  for (; i + 4 * kVf <= n; i += 4 * kVf) {
-    const vf a = loadf(s + i), b = loadf(s + i + kVf), c = loadf(s + i + 2 * kVf), e = loadf(s + i + 3 * kVf);
-    m0 = a > m0 ? a : m0;
-    m1 = b > m1 ? b : m1;
-    m2 = c > m2 ? c : m2;
-    m3 = e > m3 ? e : m3;
-  }
-  m0 = m1 > m0 ? m1 : m0;
-  m2 = m3 > m2 ? m3 : m2;
-  m0 = m2 > m0 ? m2 : m0;
-  float m = -INFINITY;
-  for (int64_t l = 0; l < kVf; ++l) m = std::max(m, m0[l]);
-  return std::max(m, row_max(s + i, n - i));
-}
-
 // Sixteen probabilities rounded to bfloat16. With AVX512-BF16 one instruction (VCVTNEPS2BF16
 // rounds to nearest even, as c10::BFloat16 does; it flushes denormals, which exp_nonpositive never
 // returns, and these are never NaN); its half-dozen-instruction emulation (vec.h) took a third of
@@ -177,7 +158,7 @@ inline void store_probabilities(bf16* p, vf e) {
 // p[i] = bf16(exp(scale (s[i] - max s))) for i < n and zero from n to `width`, in one pass from the
 // scores to the probabilities (n > 0); returns the sum of the exponentials before rounding.
 inline float exp_into_bf16(const float* s, int64_t n, int64_t width, float scale, bf16* p) {
-  const float m = scores_max(s, n);
+  const float m = row_max(s, n);
   vf sum = {};
   int64_t i = 0;
   for (; i + kVf <= n; i += kVf) {

@@ -165,14 +165,21 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
 // The largest of x[0, n), a vector at a time; NaNs are passed over (-inf for an empty or all-NaN row).
+// Four running maxima over long rows, so each comparison does not wait on the one before: one
+// chain of vmaxps was a hot spot of the bfloat16 prefill softmax (cpu_prefill_tiles.cpp).
 template <typename T>
 inline float row_max(const T* x, int64_t n) {
-  vf vmax = vf{} - INFINITY;
+  const auto larger = [](vf a, vf b) { return a > b ? a : b; };  // b where a is NaN: NaNs pass over
+  vf vmax = vf{} - INFINITY, m1 = vmax, m2 = vmax, m3 = vmax;
   int64_t i = 0;
-  for (; i + kVf <= n; i += kVf) {
-    const vf v = loadf(x + i);
-    vmax = v > vmax ? v : vmax;
+  for (; i + 4 * kVf <= n; i += 4 * kVf) {
+    vmax = larger(loadf(x + i), vmax);
+    m1 = larger(loadf(x + i + kVf), m1);
+    m2 = larger(loadf(x + i + 2 * kVf), m2);
+    m3 = larger(loadf(x + i + 3 * kVf), m3);
   }
+  vmax = larger(larger(m1, vmax), larger(m3, m2));
+  for (; i + kVf <= n; i += kVf) vmax = larger(loadf(x + i), vmax);
   float m = -INFINITY;
   for (int64_t l = 0; l < kVf; ++l) m = std::max(m, vmax[l]);
   for (; i < n; ++i) m = std::max(m, to_float(x[i]));
