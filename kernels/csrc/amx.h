@@ -38,7 +38,10 @@ struct alignas(64) TileConfig {
     rows[tile] = static_cast<uint8_t>(num_rows);
     colsb[tile] = static_cast<uint16_t>(bytes_per_row);
   }
-  void load() const { _tile_loadconfig(this); }
+  void load() const {
+    _tile_loadconfig(this);
+    asm volatile("" ::: "memory");
+  }
 };
 
 #else

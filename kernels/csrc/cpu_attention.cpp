@@ -330,7 +330,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 
   at::parallel_for(0, batch * per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(heads * group * d), acc(heads * group * d), scores;
-    std::vector<T> q_raw(heads * group * d), tiles(tile_scratch);
+    // The tile scratch (query pairs, copied key rows) comes from ATen's allocator, which starts
+    // every block on a 64-byte line: a tile row across two lines loads at half the rate.
+    std::vector<T> q_raw(heads * group * d);
+    const at::Tensor tiles = at::empty({std::max<int64_t>(tile_scratch, 1)}, q.options());
+    T* tile_scratch_at = tiles.data_ptr<T>();
     std::vector<int64_t> rows;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / per_seq, h0 = (item % per_seq) * heads;
@@ -352,7 +356,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       row_offsets(table + b * t_sb, h0, ctx, geo, rows);
       if (wide) {
         attend_wide(dots, q_raw.data(), qf.data(), kp, vp, rows.data(), ctx, heads, geo, fscale, scores.data(),
-                    acc.data(), tiles.data());
+                    acc.data(), tile_scratch_at);
       } else {
         scores_dispatch(qf.data(), kp, rows.data(), ctx, geo, scores.data());
         for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * ctx, ctx);

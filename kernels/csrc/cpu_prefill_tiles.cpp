@@ -272,8 +272,13 @@ void prefill_on_tiles(const at::Tensor& q, const at::Tensor& key, const at::Tens
   const int64_t chunks = padded_rows / kRows, items = hkv * chunks;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     Tiles tiles;
-    const std::unique_ptr<float[]> s(new float[kRows * padded_keys]), o(new float[kRows * d]);
-    const std::unique_ptr<bf16[]> p(new bf16[kRows * padded_keys]);
+    // From ATen's allocator, which starts every block on a 64-byte line: the scores are tile stores
+    // and the probabilities tile loads, and a tile row across two lines moves at half the rate.
+    const at::Tensor scratch_f = at::empty({kRows * padded_keys + kRows * d}, q.options().dtype(at::kFloat));
+    const at::Tensor scratch_p = at::empty({kRows * padded_keys}, q.options());
+    float* const s = scratch_f.data_ptr<float>();
+    float* const o = s + kRows * padded_keys;
+    bf16* const p = scratch_p.data_ptr<bf16>();
     alignas(64) float inv[kRows];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / chunks, i = item % chunks;
@@ -283,11 +288,11 @@ void prefill_on_tiles(const at::Tensor& q, const at::Tensor& key, const at::Tens
       const bf16* head = packed + h * head_pack;
       auto visible = [&](int64_t r) { return r0 + r < rows ? offset + (r0 + r) / group + 1 : int64_t{0}; };
       attend_rows(tiles, qp + (h * padded_rows + r0) * d, d, head, head + padded_keys * d, seen, visible, scale,
-                  s.get(), p.get(), o.get(), inv);
+                  s, p, o, inv);
       for (int64_t r = 0; r < kRows && r0 + r < rows; ++r) {
         const int64_t t = (r0 + r) / group, g = (r0 + r) % group;
         bf16* dst = op + (t * hq + h * group + g) * d;
-        const float* src = o.get() + r * d;
+        const float* src = o + r * d;
         for (int64_t j = 0; j < d; j += kVf) storef(dst + j, loadf(src + j) * inv[r]);
       }
     }
