@@ -7,15 +7,18 @@ The same run first measures the machine: its GEMM rate (the best of square and p
 torch matmuls in the engine's dtype, and of the engine's own linear on the prefill shape) and
 its memory read bandwidth (a sum over a tensor far larger than the caches), both the best of the
 repeats. Then, for each
-case, it times (a) one engine step through the scheduler, runner, paged attention and sampler,
-and (b) only the matmuls of the same model on the same number of tokens (every projection of
+case, it times (a) one engine step through the scheduler, runner, paged attention and sampler
+(for decode, the median of the repeats after 4 untimed steps: the steady state), and (b) only the
+matmuls of the same model on the same number of tokens (every projection of
 every layer plus the LM head rows that sample). a/b is the engine's overhead: attention, norms,
 rotary, packing, sampling and Python.
 
 The roofline of a step is the larger of its bytes over the bandwidth (every weight once, plus
 every KV byte a decode reads) and its FLOPs over the GEMM rate (matmuls and attention); "of
 roofline" is roofline / measured, 1.0 at the limit. For a prefill, "of GEMM" is its FLOP rate
-over the machine's GEMM rate.
+over the machine's GEMM rate. Where the last-level cache holds a good part of the weights (as
+repeated decode steps leave them on a CPU with a large L3), a small-batch decode step can come
+close to or beat its roofline: the bandwidth is that of a tensor larger than the caches.
 """
 
 from __future__ import annotations
@@ -107,14 +110,24 @@ def bare_matmuls(engine: Engine, tokens: int, sampled_rows: int, repeats: int) -
     return statistics.median(times[1:])
 
 
+# Decode steps run and not timed after the prefills: the first few after a prefill are slower than
+# the steady state a server decodes in (on a 2-core Sapphire Rapids at batch 1, 13.6, 12.7 and
+# 11.5 ms, then 9.8-10.4; at batch 32, 33-43 ms, then 29-31), while the prefill's activations
+# leave the caches. A median of 5 right after the prefill caught two or three of them.
+WARMUP_DECODE_STEPS = 4
+
+
 def decode_step_time(engine: Engine, batch: int, context: int, repeats: int) -> float:
     # Room for every token the early requests decode while the later ones still prefill, a step's
     # token budget at a time, so that each timed step decodes the whole batch; aborted after.
     prefill_steps = -(-batch * context // engine.scheduler.config.max_num_batched_tokens)
-    params = SamplingParams(temperature=0.0, max_tokens=repeats + 8 + prefill_steps, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=repeats + WARMUP_DECODE_STEPS + 8 + prefill_steps,
+                            ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"d{batch}-{i}", [1 + (i * 7 + j) % 1000 for j in range(context)], params)
     while any(r.is_prefilling for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(WARMUP_DECODE_STEPS):
         engine.step()
     times = []
     for _ in range(repeats):
