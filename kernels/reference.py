@@ -35,7 +35,7 @@ class ReferenceBackend(AttentionBackend):
         check_shapes(q, k_cache, v_cache)
         cu = cu_seqlens_q.tolist()
         lens = seq_lens.tolist()
-        if len(lens) == 1 and cu == [0, q.shape[0]] and lens[0] == q.shape[0]:
+        if cu == [0, q.shape[0]] and lens == [q.shape[0]]:
             # One new prompt, no cached prefix: its attention is the step's (no copy into `out`).
             return self.causal_attention(q, key.to(q.dtype), value.to(q.dtype), 0, scale)
         out = torch.empty_like(q)

@@ -23,6 +23,7 @@
 #include <c10/util/BFloat16.h>
 
 #include "amx.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -50,11 +51,9 @@ inline __m512 sum_lanes16(__m512* t) {
   return _mm512_permutexvar_ps(order, r);
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+// vec.h's loads, as __m512.
+template <typename T>
+inline __m512 load16(const T* p) { return (__m512)::load16(p); }
 
 // One key row against the G query rows of KV head h's group, as G partial vectors (sum their lanes
 // for the dot products). The float path multiplies float32 q (scaled) with the row widened to

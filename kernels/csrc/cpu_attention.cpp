@@ -333,8 +333,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     // The tile scratch (query pairs, copied key rows) comes from ATen's allocator, which starts
     // every block on a 64-byte line: a tile row across two lines loads at half the rate.
     std::vector<T> q_raw(heads * group * d);
-    const at::Tensor tiles = at::empty({std::max<int64_t>(tile_scratch, 1)}, q.options());
-    T* tile_scratch_at = tiles.data_ptr<T>();
+    const at::Tensor tiles = tile_scratch > 0 ? at::empty({tile_scratch}, q.options()) : at::Tensor();
+    T* tile_scratch_at = tile_scratch > 0 ? tiles.data_ptr<T>() : nullptr;
     std::vector<int64_t> rows;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / per_seq, h0 = (item % per_seq) * heads;

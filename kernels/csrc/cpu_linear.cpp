@@ -266,7 +266,7 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight) {
       if (n > 0) y.narrow(0, r0, n).copy_(onednn_call(xc.narrow(0, r0, n), weight));
     }
   });
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  std::vector<int64_t> out_shape = x.sizes().vec();
   out_shape.back() = weight.size(0);
   return y.view(out_shape);
 }

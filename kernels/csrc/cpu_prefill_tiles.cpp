@@ -143,20 +143,10 @@ void pack_values(const bf16* src, int64_t ld, int64_t keys, int64_t d, bf16* dst
     }
 }
 
-// Sixteen probabilities rounded to bfloat16. With AVX512-BF16 one instruction (VCVTNEPS2BF16
-// rounds to nearest even, as c10::BFloat16 does; it flushes denormals, which exp_nonpositive never
-// returns, and these are never NaN); its half-dozen-instruction emulation (vec.h) took a third of
-// the softmax.
-inline void store_probabilities(bf16* p, vf e) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(e))));
-#else
-  storef(p, e);
-#endif
-}
-
 // p[i] = bf16(exp(scale (s[i] - max s))) for i < n and zero from n to `width`, in one pass from the
-// scores to the probabilities (n > 0); returns the sum of the exponentials before rounding.
+// scores to the probabilities (n > 0); returns the sum of the exponentials before rounding. With
+// AVX512-BF16 the rounding is one instruction (vec.h store16); its generic emulation took a third
+// of the softmax.
 inline float exp_into_bf16(const float* s, int64_t n, int64_t width, float scale, bf16* p) {
   const float m = row_max(s, n);
   vf sum = {};
@@ -164,7 +154,7 @@ inline float exp_into_bf16(const float* s, int64_t n, int64_t width, float scale
   for (; i + kVf <= n; i += kVf) {
     const vf e = exp_nonpositive((loadf(s + i) - m) * scale);
     sum += e;
-    store_probabilities(p + i, e);
+    storef(p + i, e);
   }
   if (i < n) {  // the tail, through one vector whose lanes past n are exp(-87): counted as 0
     vf x = vf{} - 87.f;
@@ -172,7 +162,7 @@ inline float exp_into_bf16(const float* s, int64_t n, int64_t width, float scale
     vf e = exp_nonpositive(x);
     for (int64_t l = n - i; l < kVf; ++l) e[l] = 0.f;
     sum += e;
-    store_probabilities(p + i, e);  // p's rows are whole multiples of 32 keys, so the vector fits
+    storef(p + i, e);  // p's rows are whole multiples of 32 keys, so the vector fits
     i += kVf;
   }
   std::fill(p + i, p + width, bf16(0.f));
