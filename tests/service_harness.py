@@ -37,7 +37,8 @@ class Cluster:
     model: str
     mode: str = "disaggregated"
     policy: str = "chunked"
-    transport: str = "tcp"
+    transport: str = "tcp"  # the decode workers' receiving transport
+    prefill_transports: str = "tcp,shm"  # what the prefill workers offer
     num_prefill: int = 1
     num_decode: int = 1
     num_routers: int = 1
@@ -93,7 +94,7 @@ class Cluster:
                 else:
                     args += ["--kv-transport", self.transport]
             else:
-                args += ["--kv-transport", "tcp,shm"]
+                args += ["--kv-transport", self.prefill_transports]
             self._spawn(f"{role}-{i}", args, health=f"http://127.0.0.1:{hp}", kv_port=kv)
         self.wait_ready(timeout)
         return self
