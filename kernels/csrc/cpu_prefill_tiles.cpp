@@ -149,22 +149,23 @@ void pack_values(const bf16* src, int64_t ld, int64_t keys, int64_t d, bf16* dst
 }
 
 // p[i] = bf16(exp(scale (s[i] - max s))) for i < n and zero from n to `width`, in one pass from the
-// scores to the probabilities (n > 0); returns the sum of the exponentials before rounding. With
-// AVX512-BF16 the rounding is one instruction (vec.h store16); its generic emulation took a third
-// of the softmax.
+// scores to the probabilities (n > 0); returns the sum of the exponentials before rounding. The
+// exponent is one multiply-add in base 2 and exp2_coarse is accurate to the bfloat16 the
+// probabilities are rounded to. With AVX512-BF16 the rounding is one instruction (vec.h store16);
+// its generic emulation took a third of the softmax.
 inline float exp_into_bf16(const float* s, int64_t n, int64_t width, float scale, bf16* p) {
-  const float m = row_max(s, n);
+  const float k = scale * 1.4426950408889634f, mk = -row_max(s, n) * k;  // log2(e) scale
   vf sum = {};
   int64_t i = 0;
   for (; i + kVf <= n; i += kVf) {
-    const vf e = exp_nonpositive((loadf(s + i) - m) * scale);
+    const vf e = exp2_coarse(loadf(s + i) * k + mk);
     sum += e;
     storef(p + i, e);
   }
-  if (i < n) {  // the tail, through one vector whose lanes past n are exp(-87): counted as 0
-    vf x = vf{} - 87.f;
-    for (int64_t l = 0; l < n - i; ++l) x[l] = (s[i + l] - m) * scale;
-    vf e = exp_nonpositive(x);
+  if (i < n) {  // the tail, through one vector whose lanes past n are 2^-126: counted as 0
+    vf t = vf{} - 126.f;
+    for (int64_t l = 0; l < n - i; ++l) t[l] = s[i + l] * k + mk;
+    vf e = exp2_coarse(t);
     for (int64_t l = n - i; l < kVf; ++l) e[l] = 0.f;
     sum += e;
     storef(p + i, e);  // p's rows are whole multiples of 32 keys, so the vector fits
