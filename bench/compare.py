@@ -158,14 +158,22 @@ _COLUMNS = [("completed", "ok"), ("failed", "failed"), ("request_throughput", "r
             ("goodput", "goodput"), ("startup_s", "start-up s")]
 
 
+# With --rates, each deployment's sweep adds its SLO capacity and its peak goodput (sweep.py).
+_SWEEP_COLUMNS = [("max_rate_meeting_slo", "SLO capacity req/s"), ("peak_goodput", "peak goodput"),
+                  ("peak_goodput_rate", "at req/s")]
+
+
 def compare_table(results: dict[str, dict]) -> str:
+    swept = any("peak_goodput" in s for s in results.values())
+    columns = _COLUMNS + (_SWEEP_COLUMNS if swept else [])
     rows = []
     for name, s in results.items():
         if "error" in s:
-            rows.append([name] + ["-"] * (len(_COLUMNS) - 1) + [f"error: {s['error'].splitlines()[0][:40]}"])
+            rows.append([name] + ["-"] * (len(columns) - 1) + [f"error: {s['error'].splitlines()[0][:40]}"])
             continue
-        rows.append([name] + [100 * s[k] if k == "slo_attainment" else s.get(k, float("nan")) for k, _ in _COLUMNS])
-    return report.format_table(["deployment"] + [h for _, h in _COLUMNS], rows)
+        row = [100 * s[k] if k == "slo_attainment" else s.get(k, float("nan")) for k, _ in columns]
+        rows.append([name] + ["none" if v is None else v for v in row])
+    return report.format_table(["deployment"] + [h for _, h in columns], rows)
 
 
 def run_compare(deployments: Sequence[Deployment], plan: Plan, out_dir: Path, ready_timeout_s: float = 600.0,
@@ -189,7 +197,8 @@ def run_compare(deployments: Sequence[Deployment], plan: Plan, out_dir: Path, re
                 results[dep.name]["startup_s"] = started.startup_s
                 if rates:
                     sw = run_sweep(target, rates, dep_dir / "sweep", attainment_target, label=dep.name)
-                    results[dep.name]["max_rate_meeting_slo"] = sw["max_rate_meeting_slo"]
+                    for key in ("max_rate_meeting_slo", "peak_goodput", "peak_goodput_rate"):
+                        results[dep.name][key] = sw[key]
                     curves[dep.name] = [(p["request_rate"], p["slo_attainment"]) for p in sw["points"]]
             records[dep.name] = report.read_records(dep_dir / "requests.jsonl")
         except (DeploymentError, RuntimeError, httpx.HTTPError) as e:

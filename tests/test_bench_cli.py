@@ -44,7 +44,42 @@ def test_sweep_reports_the_highest_rate_meeting_the_slo(tmp_path):
     attainment = {p["request_rate"]: p["slo_attainment"] for p in result["points"]}
     assert attainment[5.0] == 1.0 and attainment[200.0] < 0.9
     assert result["max_rate_meeting_slo"] == 5.0
+    best = max(result["points"], key=lambda p: p["goodput"])
+    assert (result["peak_goodput"], result["peak_goodput_rate"]) == (best["goodput"], best["request_rate"])
     assert (tmp_path / "rate_5" / "summary.json").exists()
+
+
+def test_peak_goodput_can_lie_above_the_slo_capacity_and_both_reach_the_tables():
+    """Past its SLO capacity a server can still deliver more requests per second within the SLO
+    (goodput) while fewer than 90% of them meet it: the sweep reports both, and compare's table
+    gains both columns once a deployment was swept."""
+    from pdserve.bench import compare, sweep
+
+    def point(rate, attainment, goodput):
+        return {"request_rate": rate, "slo_attainment": attainment, "goodput": goodput, "request_throughput": rate,
+                "p99_ttft_ms": 1.0, "p99_tbt_ms": 1.0, "failed": 0}
+
+    points = [point(1.0, 1.0, 1.0), point(2.0, 0.95, 1.9), point(3.0, 0.8, 2.4), point(4.0, 0.5, 2.0)]
+    assert sweep.max_rate_meeting([(p["request_rate"], p["slo_attainment"]) for p in points], 0.9) == 2.0
+    assert sweep.peak_goodput(points) == (2.4, 3.0)
+    assert sweep.peak_goodput([]) is None
+    result = {"attainment_target": 0.9, "max_rate_meeting_slo": 2.0, "peak_goodput": 2.4, "peak_goodput_rate": 3.0,
+              "points": points}
+    assert "peak goodput: 2.40 req/s meeting the SLO, at 3 req/s offered" in sweep.sweep_table(result)
+    summary = {"completed": 6, "failed": 0, "request_throughput": 1.0, "output_throughput": 1.0, "p50_ttft_ms": 1.0,
+               "p99_ttft_ms": 1.0, "p50_tbt_ms": 1.0, "p99_tbt_ms": 1.0, "slo_attainment": 1.0, "goodput": 1.0,
+               "startup_s": 1.0}
+    plain = compare.compare_table({"a": summary})
+    assert "peak goodput" not in plain
+    swept = compare.compare_table({"a": summary | {"max_rate_meeting_slo": 2.0, "peak_goodput": 2.4,
+                                                   "peak_goodput_rate": 3.0},
+                                   "b": summary | {"max_rate_meeting_slo": None, "peak_goodput": 0.0,
+                                                   "peak_goodput_rate": 1.0},
+                                   "c": {"error": "exited with code 3"}})
+    header, _, a, b, c = ([cell.strip() for cell in line.split("|")[1:-1]] for line in swept.splitlines())
+    assert header[-3:] == ["SLO capacity req/s", "peak goodput", "at req/s"]
+    assert a[-3:] == ["2.00", "2.40", "3.00"] and b[-3:] == ["none", "0.00", "1.00"]
+    assert c[-1] == "error: exited with code 3" and len(c) == len(header)
 
 
 def test_each_sweep_point_sends_fresh_prompts_so_no_prefix_cache_carries_over(tmp_path, monkeypatch):
