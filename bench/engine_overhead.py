@@ -160,7 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto (default: auto, as pdserve up)")
     p.add_argument("--attention-backend", default=None, help="cpu, reference or triton (default: by device)")
     p.add_argument("--profile", action="store_true",
-                   help="instead: torch.profiler's breakdown of a decode step at batch 32 and a 256-token prefill")
+                   help="instead: torch.profiler's breakdown of a decode step and a prefill (see --batch, --tokens)")
+    p.add_argument("--batch", type=int, default=32, help="with --profile: the decode step's batch")
+    p.add_argument("--tokens", type=int, default=256, help="with --profile: the prefill's prompt tokens")
     p.add_argument("--per-op", action="store_true",
                    help="with --profile: decode steps through the PyTorch layers, so each compiled op shows on its own "
                         "instead of inside one decoder_layers_ call")
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         if args.per_op:
             engine.runner.model.use_compiled_decode(None)
-        profile(engine, args.context, args.repeats)
+        profile(engine, args.context, args.repeats, batch=args.batch, prefill_tokens=args.tokens)
         return
     dtype = engine.runner.dtype
     first = engine.runner.model.model.layers[0]
