@@ -42,6 +42,26 @@ def test_greedy_rows_through_the_compiled_argmax_match_torchs(ops, dtype):
     assert [Sampler()(logits.clone(), plain).token_ids] == [want]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_greedy_rows_on_the_gpu_take_the_argmax_there(dtype, monkeypatch):
+    """Only the token ids cross to the host (no [B, V] copy), and they are the CPU's tokens, ties
+    to the first; a row that edits its logits still gets the float32 host copy."""
+    logits = (torch.randn(8, 1000) * 3).to(dtype)
+    logits[3, 10] = logits[3, 20] = logits[3].max() + 1
+    want = logits.float().max(dim=-1).indices.tolist()
+    plain = [req(SamplingParams(temperature=0)) for _ in range(8)]
+    copies = []
+    original = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: copies.append(tuple(t.shape)) or original(t, *a, **k))
+    assert Sampler()(logits.cuda(), plain).token_ids == want
+    assert copies == []
+    with_lp = [req(SamplingParams(temperature=0, logprobs=1))] + plain[1:]
+    got = Sampler()(logits.cuda(), with_lp)
+    assert got.token_ids == want and copies == [(8, 1000)]
+
+
 @pytest.mark.parametrize("params,token", [
     (SamplingParams(temperature=0, repetition_penalty=4.0), 2),
     (SamplingParams(temperature=0, presence_penalty=2.0), 2),
