@@ -109,18 +109,22 @@ def test_colocated_policy_answers_equal_offline_engine(policy, tiny_dir, tmp_pat
         cluster.stop()
 
 
-def test_32_concurrent_streaming_clients_all_complete(disagg, oracle):
+def concurrent_chats(cluster: Cluster, n: int) -> list[str]:
+    """CHAT streamed by `n` clients at once, greedy: each one's text."""
     async def one(ac: openai.AsyncOpenAI, model: str) -> str:
         stream = await ac.chat.completions.create(model=model, messages=CHAT, max_tokens=MAX_TOKENS,
                                                   temperature=0, stream=True)
         return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
 
     async def main() -> list[str]:
-        ac = openai.AsyncOpenAI(base_url=disagg.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-        return await asyncio.gather(*(one(ac, model_name(disagg)) for _ in range(32)))
+        ac = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        return await asyncio.gather(*(one(ac, model_name(cluster)) for _ in range(n)))
 
-    texts = asyncio.run(main())
-    assert texts == [oracle["chat"][0]] * 32
+    return asyncio.run(main())
+
+
+def test_32_concurrent_streaming_clients_all_complete(disagg, oracle):
+    assert concurrent_chats(disagg, 32) == [oracle["chat"][0]] * 32
 
 
 def test_first_token_reaches_router_before_kv_transfer_completes(disagg):

@@ -7,9 +7,6 @@ Skipped without CUDA; `pytest -m gpu` runs it where a GPU exists.
 
 from __future__ import annotations
 
-import asyncio
-
-import openai
 import pytest
 import torch
 
@@ -22,7 +19,7 @@ from tests.test_service_e2e import (
     PROMPT,
     ask_everything,
     assert_matches_oracle,
-    model_name,
+    concurrent_chats,
 )
 
 pytestmark = [
@@ -66,16 +63,7 @@ def test_disaggregated_over_cuda_ipc_answers_equal_the_offline_engine_on_the_gpu
 def test_concurrent_streams_on_the_gpu_all_complete(gpu_cluster, gpu_oracle, dtype):
     """16 streams share the decode batch. In float32 each gives the one-at-a-time answer; in
     bfloat16 a batch of another size may round differently, so there they only complete."""
-    async def one(ac: openai.AsyncOpenAI, model: str) -> str:
-        stream = await ac.chat.completions.create(model=model, messages=CHAT, max_tokens=MAX_TOKENS,
-                                                  temperature=0, stream=True)
-        return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
-
-    async def main() -> list[str]:
-        ac = openai.AsyncOpenAI(base_url=gpu_cluster.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-        return await asyncio.gather(*(one(ac, model_name(gpu_cluster)) for _ in range(16)))
-
-    texts = asyncio.run(main())
+    texts = concurrent_chats(gpu_cluster, 16)
     assert len(texts) == 16 and all(texts)
     if dtype == "float32":
         assert texts == [gpu_oracle["chat"][0]] * 16
