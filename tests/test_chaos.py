@@ -223,6 +223,13 @@ def run_chaos(c: Cluster, victim: str, group: bool, pids: set[int]) -> Chaos:
         assert not any(f.done() for f in futures), (
             "a stream ended before the kill: raise MAX_TOKENS"
         )
+        # A stream's second token can reach us before the prefill worker has the decode worker's
+        # ACK for its KV: wait for every hand-off to settle, or a kill then leaves a segment
+        # leased to the dead worker for lease_s, and the recovery request takes a new one.
+        settle = time.monotonic() + 10
+        while c.info("prefill-0")["kv_in_flight"] and time.monotonic() < settle:
+            time.sleep(0.05)
+        assert c.info("prefill-0")["kv_in_flight"] == 0, "KV hand-offs still unacknowledged after 10 s"
         rec.segments_before = segments(pids)  # the KV pool as this load needs it
         rec.dead_pids.add(c.proc(victim).popen.pid)
         rec.killed_at = c.kill(victim, group=group)

@@ -152,9 +152,10 @@ def test_router_killed_mid_stream_workers_drop_its_work_and_the_restarted_router
         os.killpg(router.popen.pid, signal.SIGKILL)
         router.popen.wait(10)
         killed = time.time()
-        # 3 heartbeats of 0.5 s, plus one more and a loop turn of slack for the probe itself.
-        infos = cluster.wait_idle(timeout=3 * 0.5 + 1.0)
-        assert time.time() - killed < 3 * 0.5 + 1.5
+        # 3 heartbeats of 0.5 s, plus 2 s of slack for the loop turn, the probe and a loaded CI
+        # host (1 s of slack failed there twice, the decode worker fencing at 1.8-2.6 s).
+        infos = cluster.wait_idle(timeout=3 * 0.5 + 2.0)
+        assert time.time() - killed < 3 * 0.5 + 2.5
         for name, info in infos.items():
             assert info["used_blocks"] == 0 and info["running"] == 0, (name, info)
         assert "lost the router" in cluster.proc("decode-0").log.read_text()  # fenced, not finished
