@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 CPU_LINEAR_CHOICES = ("auto", "amx", "pdserve", "onednn", "mkl")
 CPU_FUSED_ENV = "PDSERVE_CPU_FUSED"  # 0: eager PyTorch RMSNorm, SiLU-mul, rotary and decoder layers
+GPU_FUSED_ENV = "PDSERVE_GPU_FUSED"  # 0: eager PyTorch RMSNorm, SiLU-mul and rotary on CUDA
 
 
 class ModelRunner:
@@ -56,6 +57,12 @@ class ModelRunner:
         self.fused_elementwise = self.compiled_ops is not None and os.environ.get(CPU_FUSED_ENV, "1") != "0"
         if self.fused_elementwise:
             self.model.use_fused_ops(self.compiled_ops)
+        elif self.device.type == "cuda" and os.environ.get(GPU_FUSED_ENV, "1") != "0":
+            # One Triton launch each for the norms, rotary and SiLU-mul instead of eager's several.
+            from pdserve.kernels.triton_elementwise import TritonElementwise
+
+            self.model.use_fused_ops(TritonElementwise())
+            self.fused_elementwise = True
         # Decode-only steps run each layer as one compiled call where every piece of it is compiled.
         self.compiled_decode = self.fused_elementwise and self.cpu_linear in ("amx", "pdserve", "onednn")
         if self.compiled_decode:
