@@ -63,15 +63,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """logits: [B, V] in the model's dtype, row i belongs to requests[i]."""
-        edited = any(edits_logits(r) for r in requests)
-        if not edited and logits.device.type != "cpu":
-            # Every row plain greedy on an accelerator: the argmax there, and only the token ids
-            # cross to the host, not the [B, V] logits (12.6 MB in float32 at batch 64, a step).
+        if not any(edits_logits(r) for r in requests):
+            # Every row plain greedy: the argmax of the model's own logits where they are, and on
+            # an accelerator only the token ids cross to the host, not the [B, V] logits.
             return SampleResult(self._argmax(logits).tolist(), None, None)
-        if logits.device.type != "cpu" or edited:
-            # A float32 copy to edit; plain greedy rows take the argmax of the model's own logits
-            # (widening keeps every value, so the index is the same).
-            logits = logits.float().cpu()
+        # A float32 host copy to edit; its greedy rows take the same argmax (widening keeps every
+        # value, so the index is the same).
+        logits = logits.float().cpu()
         self._apply_penalties(logits, requests)
         self._mask_early_stop(logits, requests)
         want_lp = any(r.sampling.logprobs is not None for r in requests)
