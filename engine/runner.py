@@ -53,16 +53,10 @@ class ModelRunner:
             self.backend.ops if isinstance(self.backend, CpuBackend) and self.dtype in COMPILED_DTYPES else None
         )
         self.cpu_linear = self._pack_cpu_linears() if self.device.type == "cpu" else "none"
-        # The compiled elementwise ops ship with the compiled attention (kernels/csrc).
-        self.fused_elementwise = self.compiled_ops is not None and os.environ.get(CPU_FUSED_ENV, "1") != "0"
-        if self.fused_elementwise:
-            self.model.use_fused_ops(self.compiled_ops)
-        elif self.device.type == "cuda" and os.environ.get(GPU_FUSED_ENV, "1") != "0":
-            # One Triton launch each for the norms, rotary and SiLU-mul instead of eager's several.
-            from pdserve.kernels.triton_elementwise import TritonElementwise
-
-            self.model.use_fused_ops(TritonElementwise())
-            self.fused_elementwise = True
+        fused_ops = self._fused_elementwise_ops()
+        self.fused_elementwise = fused_ops is not None
+        if fused_ops is not None:
+            self.model.use_fused_ops(fused_ops)
         # Decode-only steps run each layer as one compiled call where every piece of it is compiled.
         self.compiled_decode = self.fused_elementwise and self.cpu_linear in ("amx", "pdserve", "onednn")
         if self.compiled_decode:
@@ -76,6 +70,18 @@ class ModelRunner:
         # Its pages fault in on a background thread, lowest blocks first (None: nothing to do).
         self.kv_fault_in = fault_in_background(self.kv_cache) if self.device.type == "cpu" else None
         self.sampler = Sampler(ops=self.compiled_ops)
+
+    def _fused_elementwise_ops(self) -> object | None:
+        """What runs RMSNorm, SiLU-mul and rotary: the compiled CPU ops, which ship with the
+        compiled attention (kernels/csrc); on CUDA one Triton launch each instead of eager's
+        several; None where eager PyTorch runs them (or the environment asks for it)."""
+        if self.compiled_ops is not None and os.environ.get(CPU_FUSED_ENV, "1") != "0":
+            return self.compiled_ops
+        if self.device.type == "cuda" and os.environ.get(GPU_FUSED_ENV, "1") != "0":
+            from pdserve.kernels.triton_elementwise import TritonElementwise
+
+            return TritonElementwise()
+        return None
 
     @property
     def kv_cache_resident(self) -> bool:

@@ -95,33 +95,29 @@ class TritonElementwise:
     tensors (CPU ones in Triton's interpreter, for tests)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        out = torch.empty_like(x)
-        self._norm(x, None, weight, eps, out)
-        return out
+        return self._norm(x, None, weight, eps)
 
     def add_rms_norm_(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x += y in place, then return RMSNorm(x) * weight."""
         if y.shape != x.shape:
             raise ValueError(f"add_rms_norm_: y {tuple(y.shape)} must match x {tuple(x.shape)}")
-        out = torch.empty_like(x)
-        self._norm(x, y, weight, eps, out)
-        return out
+        return self._norm(x, y, weight, eps)
 
-    def _norm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+    def _norm(self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if weight.shape != x.shape[-1:]:
             raise ValueError(f"RMSNorm weight {tuple(weight.shape)} must be [{x.shape[-1]}]")
         x2 = x.view(-1, x.shape[-1])  # in place: x's rows must be addressable as they are
         if x2.stride(-1) != 1:
             raise ValueError("RMSNorm runs on rows with unit stride")
         y2 = _rows(y, "add_rms_norm_") if y is not None else x2
-        out2 = out.view(-1, out.shape[-1])
-        if x2.shape[0] == 0:
-            return
-        kernel = for_device(_rms_norm_kernel, x.device)
-        kernel[(x2.shape[0],)](
-            x2, y2, weight, out2, x2.shape[1], x2.stride(0), y2.stride(0), out2.stride(0), float(eps),
-            ADD=y is not None, BLOCK=pow2_at_least(x2.shape[1]), num_warps=4,
-        )  # fmt: skip
+        out = torch.empty_like(x2)
+        if x2.shape[0]:
+            kernel = for_device(_rms_norm_kernel, x.device)
+            kernel[(x2.shape[0],)](
+                x2, y2, weight, out, x2.shape[1], x2.stride(0), y2.stride(0), out.stride(0), float(eps),
+                ADD=y is not None, BLOCK=pow2_at_least(x2.shape[1]), num_warps=4,
+            )  # fmt: skip
+        return out.view(x.shape)
 
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> None:
