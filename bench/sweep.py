@@ -174,11 +174,10 @@ def run_sweep(plan: Plan, rates: Sequence[float], out_dir: Path, target: float, 
             "request_rate", "slo_attainment", "goodput", "request_throughput", "output_throughput",
             "completed", "failed", "p50_ttft_ms", "p99_ttft_ms", "p50_tbt_ms", "p99_tbt_ms")})
     curve = [(p["request_rate"], p["slo_attainment"]) for p in points]
-    peak = peak_goodput(points)
+    peak, peak_rate = peak_goodput(points) or (None, None)
     result = {"label": label, "attainment_target": target, "slo": plan.slo.describe(),
-              "max_rate_meeting_slo": max_rate_meeting(curve, target),
-              "peak_goodput": peak[0] if peak else None, "peak_goodput_rate": peak[1] if peak else None,
-              "points": points}
+              "max_rate_meeting_slo": max_rate_meeting(curve, target), "peak_goodput": peak,
+              "peak_goodput_rate": peak_rate, "points": points}
     report.write_json(out_dir / "sweep.json", result)
     if plan.plots:
         plots.attainment_vs_rate({label or "run": curve}, out_dir / "attainment_vs_rate.png", target)
@@ -190,7 +189,7 @@ def sweep_table(result: dict) -> str:
              p["p99_ttft_ms"], p["p99_tbt_ms"], p["failed"]] for p in result["points"]]
     table = report.format_table(["rate (req/s)", "attainment %", "goodput", "req/s", "p99 TTFT ms",
                                  "p99 TBT ms", "failed"], rows)
-    best, peak = result["max_rate_meeting_slo"], result.get("peak_goodput")
+    best, peak = result["max_rate_meeting_slo"], result["peak_goodput"]
     text = table + f"\nhighest rate meeting the SLO at {100 * result['attainment_target']:g}%: " + (
         f"{best:g} req/s" if best is not None else "none of the rates tried")
     if peak is not None:
