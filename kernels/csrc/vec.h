@@ -73,6 +73,19 @@ inline void store8(c10::BFloat16* p, v8 v) { narrow_bf16<v8, u16x8, u32x8>(p, v)
 
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 
+// Taylor coefficients, lowest first: exp(r) to degree 6, and 2^f = exp(f ln2) to degree 4.
+constexpr float kExpTaylor[] = {1.f, 1.f, 0.5f, 1.f / 6.f, 1.f / 24.f, 1.f / 120.f, 1.f / 720.f};
+constexpr float kExp2Taylor[] = {1.f, 0.6931471805599453f, 0.2402265069591007f, 0.05550410866482158f,
+                                 0.009618129107628477f};
+
+// c[0] + x (c[1] + x (c[2] + ...)) by Horner's rule, a vector at a time.
+template <typename V, size_t N>
+inline V horner(V x, const float (&c)[N]) {
+  V p = V{} + c[N - 1];
+  for (size_t i = N - 1; i-- > 0;) p = p * x + c[i];
+  return p;
+}
+
 // exp(x) for x <= 0, a vector at a time, to about 2e-7 relative: x = n ln2 + r with |r| <= ln2/2,
 // exp(r) by its degree-6 Taylor polynomial, 2^n through the exponent bits. Branch-free.
 template <typename V, typename IV>
@@ -81,14 +94,7 @@ inline V exp_nonpositive_t(V x) {
   const IV n = __builtin_convertvector(x * 1.4426950408889634f - 0.5f, IV);  // round, as x <= 0
   const V nf = __builtin_convertvector(n, V);
   const V r = (x - nf * 0.693145751953125f) - nf * 1.4286067653302e-06f;
-  V p = V{} + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  return p * (V)((n + 127) << 23);
+  return horner(r, kExpTaylor) * (V)((n + 127) << 23);
 }
 inline v8 exp_nonpositive(v8 x) { return exp_nonpositive_t<v8, i32x8>(x); }
 
@@ -99,6 +105,14 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 #if defined(__AVX512F__)
+// Horner's rule with one fused multiply-add a coefficient.
+template <size_t N>
+inline __m512 horner512(__m512 x, const float (&c)[N]) {
+  __m512 p = _mm512_set1_ps(c[N - 1]);
+  for (size_t i = N - 1; i-- > 0;) p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(c[i]));
+  return p;
+}
+
 // The same reduction and polynomial in AVX-512's own instructions: the clamp is one max, n is
 // rounded in place (vrndscaleps) and 2^n applied by vscalefps, where the generic form needs a
 // compare and blend, two conversions and the exponent-bit arithmetic; the softmaxes of prefill
@@ -109,14 +123,7 @@ inline v16 exp_nonpositive(v16 x) {
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.4286067653302e-06f),
                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc));
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return (v16)_mm512_scalef_ps(p, n);
+  return (v16)_mm512_scalef_ps(horner512(r, kExpTaylor), n);
 }
 #else
 inline v16 exp_nonpositive(v16 x) { return exp_nonpositive_t<v16, i32x16>(x); }
@@ -131,25 +138,14 @@ inline V exp2_coarse_t(V t) {
   t = t < -126.f ? V{} - 126.f : t;
   const IV n = __builtin_convertvector(t - 0.5f, IV);  // round (toward zero of t - 1/2: t <= ~0)
   const V f = t - __builtin_convertvector(n, V);
-  V p = V{} + 0.009618129107628477f;  // ln2^4 / 4!
-  p = p * f + 0.05550410866482158f;   // ln2^3 / 3!
-  p = p * f + 0.2402265069591007f;    // ln2^2 / 2
-  p = p * f + 0.6931471805599453f;
-  p = p * f + 1.f;
-  return p * (V)((n + 127) << 23);
+  return horner(f, kExp2Taylor) * (V)((n + 127) << 23);
 }
 inline v8 exp2_coarse(v8 t) { return exp2_coarse_t<v8, i32x8>(t); }
 #if defined(__AVX512F__)
 inline v16 exp2_coarse(v16 t) {
   const __m512 tc = _mm512_max_ps((__m512)t, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(tc, n);
-  __m512 p = _mm512_set1_ps(0.009618129107628477f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550410866482158f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return (v16)_mm512_scalef_ps(p, n);
+  return (v16)_mm512_scalef_ps(horner512(_mm512_sub_ps(tc, n), kExp2Taylor), n);
 }
 #else
 inline v16 exp2_coarse(v16 t) { return exp2_coarse_t<v16, i32x16>(t); }
