@@ -283,9 +283,8 @@ template <typename T>
 inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
   const auto silu_mul = [](vf a, vf b) {
     // exp(-|a|): never overflows. In bfloat16, 2^(-|a| log2 e) to exp2_coarse's 6e-5.
-    vf e;
-    if constexpr (std::is_same_v<T, c10::BFloat16>) e = exp2_coarse((a < 0.f ? a : -a) * 1.4426950408889634f);
-    else e = exp_nonpositive(a < 0.f ? a : -a);
+    const vf neg = a < 0.f ? a : -a;
+    const vf e = std::is_same_v<T, c10::BFloat16> ? exp2_coarse(neg * 1.4426950408889634f) : exp_nonpositive(neg);
     const vf sig = (a < 0.f ? e : vf{} + 1.f) * reciprocal(1.f + e);
     return a * sig * b;
   };
