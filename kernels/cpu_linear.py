@@ -88,3 +88,16 @@ def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
 def tile_linear(ops: object, x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [..., K] -> [..., N] through the AMX tile kernel (bfloat16 CPU tensors)."""
     return _rows_through(ops.tile_linear, x, tiles, out_features)  # type: ignore[attr-defined]
+
+
+def tiles_fuse_silu_mul(intermediate: int) -> bool:
+    """Whether a gate/up projection of this intermediate size can apply SiLU-mul in the tile
+    kernel (`tile_linear_silu_mul`): each half must be whole groups of 32 columns."""
+    return intermediate % TILE_GROUP == 0
+
+
+def tile_linear_silu_mul(ops: object, x: torch.Tensor, tiles: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """silu(gate) * up of x [..., K] through the AMX tiles of a gate/up weight [2 I, K] (the
+    gate's I columns, then the up's), in one pass: -> [..., I], to the bit what tile_linear
+    then silu_mul give. Needs tiles_fuse_silu_mul(I)."""
+    return _rows_through(ops.tile_linear_silu_mul, x, tiles, intermediate)  # type: ignore[attr-defined]

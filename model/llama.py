@@ -75,7 +75,7 @@ class Linear(nn.Module):
                 return w
         return None
 
-    def _tiles_for(self, x: torch.Tensor) -> torch.Tensor | None:
+    def tiles_for(self, x: torch.Tensor) -> torch.Tensor | None:
         """The AMX tiles when forward(x) runs on them, else None."""
         rows = x.numel() // x.shape[-1]
         if self.packed is None or rows <= cpu_linear.TILE_MAX_ROWS:
@@ -84,10 +84,10 @@ class Linear(nn.Module):
 
     def runs_panels(self, x: torch.Tensor) -> bool:
         """Whether forward(x) goes through the panel kernel."""
-        return self.panels is not None and self._tiles_for(x) is None
+        return self.panels is not None and self.tiles_for(x) is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tiles = self._tiles_for(x)
+        tiles = self.tiles_for(x)
         if tiles is not None:
             return cpu_linear.tile_linear(self.ops, x, tiles, self.out_features)
         if self.panels is not None:
@@ -229,6 +229,9 @@ class MLP(nn.Module):
             gate_up = self.gate_up_proj
             if gate_up.runs_panels(x) and cpu_linear.fuses_silu_mul(self.intermediate_size):
                 return self.down_proj(cpu_linear.linear_silu_mul(gate_up.ops, x, gate_up.panels, self.intermediate_size))
+            tiles = gate_up.tiles_for(x)
+            if tiles is not None and cpu_linear.tiles_fuse_silu_mul(self.intermediate_size):
+                return self.down_proj(cpu_linear.tile_linear_silu_mul(gate_up.ops, x, tiles, self.intermediate_size))
             return self.down_proj(self.fused.silu_mul(gate_up(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -368,8 +371,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> float32 logits [N, V]; only the rows that sample are passed here."""
-        return self.lm_head(hidden).float()
+        """[N, H] -> logits [N, V] in the model's dtype; only the rows that sample are passed here.
+        Not widened to float32: a plain greedy batch takes the argmax of these as they are (the
+        same index), and the sampler widens its own copy where it edits or draws from them."""
+        return self.lm_head(hidden)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy a Hugging Face-named state dict in; raise ValueError naming missing/extra tensors."""

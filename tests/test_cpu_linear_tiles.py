@@ -86,6 +86,60 @@ def test_the_tile_linear_refuses_a_weight_not_in_the_tile_layout(ops):
         ops.tile_linear(torch.randn(2, 32).bfloat16(), torch.randn(40, 32).bfloat16(), 40)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 7, 32, 33, 300])  # 300 x 1024: two L2 row blocks
+@pytest.mark.parametrize("intermediate,in_features", [(32, 64), (96, 1024)])
+def test_the_tile_gate_up_with_silu_mul_equals_the_projection_then_the_op_to_the_bit(ops, rows, intermediate,
+                                                                                    in_features):
+    """The fused kernel rounds gate and up to bfloat16 as the projection's output is rounded and
+    applies the op's own row function: the same bits as tile_linear then silu_mul, strided rows."""
+    torch.manual_seed(rows + intermediate)
+    w = torch.randn(2 * intermediate, in_features).bfloat16()
+    x = torch.randn(rows, in_features + 32)[:, :in_features].bfloat16()
+    tiles = cpu_linear.pack_tiles(w)
+    assert cpu_linear.tiles_fuse_silu_mul(intermediate)
+    got = cpu_linear.tile_linear_silu_mul(ops, x, tiles, intermediate)
+    assert got.shape == (rows, intermediate) and got.dtype == torch.bfloat16
+    want = ops.silu_mul(cpu_linear.tile_linear(ops, x, tiles, 2 * intermediate))
+    assert torch.equal(got, want)
+    gate, up = (x.float() @ w.float().t()).chunk(2, dim=-1)
+    torch.testing.assert_close(got.float(), torch.nn.functional.silu(gate) * up, atol=0.1, rtol=2**-6)
+
+
+def test_the_tile_gate_up_with_silu_mul_refuses_halves_that_are_not_whole_groups(ops):
+    assert not cpu_linear.tiles_fuse_silu_mul(40)
+    tiles = cpu_linear.pack_tiles(torch.randn(80, 32).bfloat16())  # 3 groups: 80 does not split into two of 32s
+    with pytest.raises(RuntimeError, match="whole groups"):
+        ops.tile_linear_silu_mul(torch.randn(2, 32).bfloat16(), tiles, 40)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.tile_linear_silu_mul(torch.randn(2, 32), cpu_linear.pack_tiles(torch.randn(64, 32).bfloat16()), 32)
+
+
+def test_the_mlp_takes_the_fused_tile_gate_up_where_tiles_run(ops, monkeypatch):
+    """A bfloat16 MLP on tiles, with the compiled elementwise ops: the fused gate/up kernel runs,
+    and the MLP computes what the unfused path computes, to the bit."""
+    from pdserve.model.config import ModelConfig
+    from pdserve.model.llama import MLP
+
+    cfg = ModelConfig(architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=96, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=32)
+    torch.manual_seed(3)
+    mlp = MLP(cfg)
+    for lin in (mlp.gate_up_proj, mlp.down_proj):
+        torch.nn.init.normal_(lin.weight, std=0.2)
+    mlp.to(torch.bfloat16)
+    mlp.gate_up_proj.pack_tiles(ops)
+    mlp.down_proj.pack_tiles(ops)
+    mlp.fused = ops
+    calls: list[int] = []
+    real = cpu_linear.tile_linear_silu_mul
+    monkeypatch.setattr(cpu_linear, "tile_linear_silu_mul", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(5, 64).bfloat16()
+    with torch.inference_mode():
+        got = mlp(x)
+        want = mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(x)))
+    assert calls == [1] and torch.equal(got, want)
+
+
 def test_steps_of_more_than_tile_max_rows_go_to_onednn_where_it_is_there_and_the_rest_to_the_tiles(ops, monkeypatch):
     """With oneDNN's bfloat16 copy (where this CPU's oneDNN computes bfloat16) large steps take it;
     without, the tiles take every step."""

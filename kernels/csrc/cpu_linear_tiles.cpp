@@ -174,26 +174,69 @@ void by_groups(const bf16* x, int64_t rows, int64_t ldx, const bf16* w, int64_t 
   }
 }
 
+// silu(gate) * up for a gate/up weight of 2 I columns, I a multiple of 32 (groups [0, I/32) the
+// gate's, [I/32, 2 I/32) the up's): each thread takes a share of the gate's groups and, per chunk
+// of rows, multiplies the chunk with group p and with group I/32 + p, rounds both to bfloat16 as
+// the projection's output would be, and applies silu_mul_row (vec.h) to those 32 columns. The
+// same numbers as silu_mul(tile_linear(x, W, 2 I)) to the bit, without writing the [M, 2 I]
+// projection and reading it back in a second parallel pass.
+template <typename Chunks>
+void silu_mul_by_pairs(const bf16* x, int64_t rows, int64_t ldx, const bf16* w, int64_t pairs, int64_t steps, bf16* y) {
+  const int64_t row_bytes = steps * kStep * static_cast<int64_t>(sizeof(bf16));
+  const int64_t block = std::max(kChunk, kBlockBytes / row_bytes / kChunk * kChunk);
+  const int64_t inter = pairs * kGroup, group_elems = steps * kStepElems;
+  for (int64_t b0 = 0; b0 < rows; b0 += block) {
+    const int64_t b_end = std::min(rows, b0 + block);
+    at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+      Chunks chunks;
+      alignas(64) float acc[kChunk * kGroup];
+      alignas(64) bf16 gate[kChunk * kGroup], up[kChunk * kGroup];
+      for (int64_t p = begin; p < end; ++p) {
+        const bf16* wg = w + p * group_elems;
+        const bf16* wu = w + (pairs + p) * group_elems;
+        for (int64_t m0 = b0; m0 < b_end; m0 += kChunk) {
+          const int chunk = static_cast<int>(std::min(kChunk, b_end - m0));
+          chunks(x + m0 * ldx, ldx, chunk, wg, steps, m0 == b0, acc);
+          write_rows(acc, chunk, kGroup, gate, kGroup);
+          chunks(x + m0 * ldx, ldx, chunk, wu, steps, m0 == b0, acc);
+          write_rows(acc, chunk, kGroup, up, kGroup);
+          for (int r = 0; r < chunk; ++r)
+            silu_mul_row(gate + r * kGroup, up + r * kGroup, y + (m0 + r) * inter + p * kGroup, kGroup);
+        }
+      }
+    });
+  }
+}
+
 }  // namespace
 
 namespace pdserve_cpu {
 
 bool tile_linear_uses_amx() { return pdserve_amx::ready(); }
 
-at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "pdserve_cpu.tile_linear runs on CPU tensors");
+namespace {
+
+// The checks both ops share; x with contiguous rows.
+at::Tensor checked_rows(const char* op, const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "pdserve_cpu.", op, " runs on CPU tensors");
   TORCH_CHECK(x.dim() == 2, "x must be [M, K], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
-              "pdserve_cpu.tile_linear computes bfloat16, got x ", x.scalar_type(), " and weight ", packed.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "pdserve_cpu.", op,
+              " computes bfloat16, got x ", x.scalar_type(), " and weight ", packed.scalar_type());
   TORCH_CHECK(packed.dim() == 5 && packed.size(2) == 2 && packed.size(3) == 16 && packed.size(4) == 32 &&
                   packed.is_contiguous(),
               "the weight must be a contiguous [G, K/32, 2, 16, 32] (kernels/cpu_linear.py pack_tiles), got ",
               packed.sizes());
   TORCH_CHECK(x.size(1) == packed.size(1) * kStep, "x has ", x.size(1), " features, the weight takes ",
               packed.size(1) * kStep);
+  return x.stride(1) == 1 ? x : x.contiguous();
+}
+
+}  // namespace
+
+at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  const at::Tensor xc = checked_rows("tile_linear", x, packed);
   TORCH_CHECK(out_features > (packed.size(0) - 1) * kGroup && out_features <= packed.size(0) * kGroup,
               "out_features ", out_features, " does not fit ", packed.size(0), " groups of ", kGroup);
-  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return y;
   const auto* xp = xc.data_ptr<bf16>();
@@ -210,11 +253,40 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   return y;
 }
 
+bool tile_fuses_silu_mul(const at::Tensor& packed, int64_t intermediate) {
+  return packed.dim() == 5 && intermediate > 0 && intermediate % kGroup == 0 &&
+         packed.size(0) * kGroup == 2 * intermediate;
+}
+
+at::Tensor tile_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate) {
+  const at::Tensor xc = checked_rows("tile_linear_silu_mul", x, packed);
+  TORCH_CHECK(tile_fuses_silu_mul(packed, intermediate), "tile_linear_silu_mul needs a gate/up weight of 2 x ",
+              intermediate, " columns in whole groups of ", kGroup, ", got ", packed.sizes());
+  at::Tensor y = at::empty({x.size(0), intermediate}, x.options());
+  if (x.size(0) == 0) return y;
+  const auto* xp = xc.data_ptr<bf16>();
+  const auto* wp = packed.data_ptr<bf16>();
+  auto* yp = y.data_ptr<bf16>();
+  const int64_t rows = xc.size(0), ldx = xc.stride(0), pairs = intermediate / kGroup, steps = packed.size(1);
+#if defined(PDSERVE_AMX)
+  if (pdserve_amx::ready()) {
+    silu_mul_by_pairs<AmxChunks>(xp, rows, ldx, wp, pairs, steps, yp);
+    return y;
+  }
+#endif
+  silu_mul_by_pairs<PortableChunks>(xp, rows, ldx, wp, pairs, steps, yp);
+  return y;
+}
+
 }  // namespace pdserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("tile_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("tile_linear_silu_mul(Tensor x, Tensor packed, int intermediate) -> Tensor");
   m.def("tile_linear_uses_amx() -> bool", &pdserve_cpu::tile_linear_uses_amx);
 }
 
-TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("tile_linear", &pdserve_cpu::tile_linear); }
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
+  m.impl("tile_linear", &pdserve_cpu::tile_linear);
+  m.impl("tile_linear_silu_mul", &pdserve_cpu::tile_linear_silu_mul);
+}

@@ -31,7 +31,8 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_fe
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed);
 // silu(gate) * up of x through a gate/up weight [2 I, K] packed in 24-column panels, I % 24 == 0.
 at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_t intermediate);
-// Whether project_silu_mul fuses for this weight: panels, and an intermediate size of whole panels.
+// Whether project_silu_mul fuses for this weight: panels or AMX tiles, and an intermediate size of
+// whole panels or tile groups.
 bool fuses_silu_mul(const at::Tensor& weight, int64_t intermediate);
 // silu_mul(project(x, weight, 2 I)), in one pass where fuses_silu_mul holds.
 at::Tensor project_silu_mul(const at::Tensor& x, const at::Tensor& weight, int64_t intermediate);
@@ -52,6 +53,10 @@ at::Tensor prefill_attention_tiles(const at::Tensor& q, const at::Tensor& key, c
 
 // cpu_linear_tiles.cpp
 at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
+// silu(gate) * up of x through AMX tiles of a gate/up weight [2 I, K], I % 32 == 0, in one pass.
+at::Tensor tile_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate);
+// Whether tile_linear_silu_mul takes this packed weight and intermediate size.
+bool tile_fuses_silu_mul(const at::Tensor& packed, int64_t intermediate);
 // Whether this build and process run the tiles on AMX (amx.h).
 bool tile_linear_uses_amx();
 
