@@ -17,9 +17,12 @@ TILE_GROUP = 32  # output columns per group of AMX tiles
 TILE_STEP = 32  # K per tile row (32 bfloat16 = 64 bytes)
 # Up to this many rows the tiles run (decode steps, small prefills); above it oneDNN's packed
 # matmul, where it is there too. On a 2-core Sapphire Rapids, over SmolLM2's projections: tiles
-# 1.3-1.6x oneDNN from 1 to 32 rows, even at 64-256, and 0.7-0.8x at 2,048-8,192 rows, where
-# oneDNN's cache blocking keeps its AMX tiles fed from L1 and ours load from L2.
-TILE_MAX_ROWS = 128
+# 1.3-1.6x oneDNN from 1 to 32 rows, about even at 128-256 rows on the matmuls alone, and
+# 0.7-0.8x at 2,048-8,192 rows, where oneDNN's cache blocking keeps its AMX tiles fed from L1 and
+# ours load from L2. With SiLU-mul applied in the tile gate/up projection (no separate pass),
+# whole prefills in the engine: 256 tokens 72-74 -> 65-66 ms on tiles, 384 tokens 91-93 -> 86,
+# 512 tokens even (113-116 either way).
+TILE_MAX_ROWS = 384
 
 
 def _padded(weight: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
