@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=32, help="with --profile: the decode step's batch")
     p.add_argument("--tokens", type=int, default=256, help="with --profile: the prefill's prompt tokens")
     p.add_argument("--per-op", action="store_true",
-                   help="with --profile: decode steps through the PyTorch layers, so each compiled op shows on its own "
+                   help="with --profile: steps through the PyTorch layers, so each compiled op shows on its own "
                         "instead of inside one decoder_layers_ call")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         engine.runner.kv_fault_in.join()
     if args.profile:
         if args.per_op:
-            engine.runner.model.use_compiled_decode(None)
+            engine.runner.model.use_compiled_layers(None)
         profile(engine, args.context, args.repeats, batch=args.batch, prefill_tokens=args.tokens)
         return
     dtype = engine.runner.dtype

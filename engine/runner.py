@@ -57,10 +57,11 @@ class ModelRunner:
         self.fused_elementwise = fused_ops is not None
         if fused_ops is not None:
             self.model.use_fused_ops(fused_ops)
-        # Decode-only steps run each layer as one compiled call where every piece of it is compiled.
-        self.compiled_decode = self.fused_elementwise and self.cpu_linear in ("amx", "pdserve", "onednn")
-        if self.compiled_decode:
-            self.model.use_compiled_decode(self.compiled_ops)
+        # Steps run every layer in one compiled call where every piece of it is compiled: decode-only
+        # steps, and steps with prompts where the backend's prefill attention is compiled too.
+        self.compiled_layers = self.fused_elementwise and self.cpu_linear in ("amx", "pdserve", "onednn")
+        if self.compiled_layers:
+            self.model.use_compiled_layers(self.compiled_ops)
         m = model_config
         shape = (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         self.kv_cache = (

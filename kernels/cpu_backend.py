@@ -45,6 +45,9 @@ class CpuBackend(ReferenceBackend):
         size is whole tile rows (32 bfloat16)."""
         return self.amx_prefill and q.shape[-1] % 32 == 0
 
+    def compiles_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
+        return dtype == torch.float32 or (dtype == torch.bfloat16 and self.amx_prefill and head_dim % 32 == 0)
+
     def decode_attention(self, q, k_cache, v_cache, seq_lens, block_tables, scale) -> torch.Tensor:
         check_shapes(q, k_cache, v_cache)
         if not computes(q, k_cache, v_cache):

@@ -72,6 +72,13 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """One query token per sequence (q is [B, Hq, D]) against its paged KV. Returns [B, Hq, D]."""
 
+    def compiles_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether this backend's prefills of this dtype and head size are exactly the compiled
+        CPU op pdserve_cpu.prefill_attention, one prompt at a time (its prefix gathered from the
+        cache), so that the compiled decoder layers may run them (model/llama.py). None but the
+        compiled CPU backend's are."""
+        return False
+
 
 def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Raise ValueError, before any launch, for layouts no backend supports."""

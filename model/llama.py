@@ -8,6 +8,7 @@ Shapes: T packed tokens, H hidden size, Hq/Hkv heads, D head size, V vocabulary.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,12 @@ class Linear(nn.Module):
         self.ops = ops
         if onednn:
             self.pack_onednn()
+
+    @property
+    def large_step_weight(self) -> torch.Tensor | None:
+        """The packed copy that steps of more than cpu_linear.TILE_MAX_ROWS rows read instead of
+        compiled_weight, where there is one (oneDNN's beside AMX tiles), else None."""
+        return self.packed if self.tiles is not None and self.packed is not None else None
 
     @property
     def compiled_weight(self) -> torch.Tensor | None:
@@ -252,17 +259,21 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm.add_norm_(x, self.self_attn(h, positions, rotary, meta, kv_cache))
         return self.mlp(h)
 
-    def compiled_args(self) -> tuple[tuple[torch.Tensor, ...], tuple]:
-        """This layer's (weights, dims) for ops.decoder_layers_, reading the packed weights (panels,
-        AMX tiles or oneDNN's layout, whichever pack_cpu_linears made)."""
+    def compiled_args(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple]:
+        """This layer's (weights, large-step weights, dims) for ops.decoder_layers_, reading the
+        packed weights (panels, AMX tiles or oneDNN's layout, whichever pack_cpu_linears made);
+        the large-step weights are empty unless every projection keeps a second packing."""
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         packed = [w for w in (p.compiled_weight for p in projections) if w is not None]
         if len(packed) != len(projections):
-            raise ValueError("use_compiled_decode needs every projection packed first (pack_cpu_linears)")
+            raise ValueError("use_compiled_layers needs every projection packed first (pack_cpu_linears)")
+        large = [w for w in (p.large_step_weight for p in projections) if w is not None]
+        if large and len(large) != len(projections):
+            raise ValueError("use_compiled_layers needs a second packing for every projection or for none")
         weights = (self.input_layernorm.weight, self.post_attention_layernorm.weight, *packed)
         dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size, self.input_layernorm.eps, attn.scale)
-        return weights, dims
+        return weights, tuple(large), dims
 
 
 class LlamaModel(nn.Module):
@@ -293,6 +304,19 @@ def fuse_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class CompiledLayers:
+    """What ops.decoder_layers_ takes besides a step: every layer's weights (norms and packed
+    projections, six a layer), the large-step packings (four a layer, or none), the layers'
+    dimensions, and whether steps with prompts run through it too (else decode-only ones)."""
+
+    ops: object
+    weights: list[torch.Tensor]
+    large_weights: list[torch.Tensor]
+    dims: tuple
+    prefills: bool
+
+
 class LlamaForCausalLM(nn.Module):
     """Weights load from Hugging Face names (either loader); q/k/v and gate/up are fused here."""
 
@@ -303,17 +327,25 @@ class LlamaForCausalLM(nn.Module):
         # Tied embeddings get a transposed copy here: the embedding lookup wants rows, the LM
         # head's matmul wants the transposed layout (see Linear).
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._compiled_layers: tuple | None = None  # (ops, weights, dims) once use_compiled_decode() is called
+        self._compiled: CompiledLayers | None = None  # once use_compiled_layers() is called
+
+    @property
+    def compiled_layers(self) -> CompiledLayers | None:
+        """What runs the layers in one compiled call (None: the PyTorch layers run every step)."""
+        return self._compiled
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T] -> final hidden states [T, H]; writes this step's K/V."""
         x = self.model.embed_tokens(input_ids)
-        if self._compiled_layers is not None and meta.num_decode_tokens == x.shape[0]:
-            ops, weights, dims = self._compiled_layers
-            return ops.decoder_layers_(x, weights, self.model.norm.weight, positions, self.model.rotary.cos,
-                                       self.model.rotary.sin, kv_cache, meta.slot_mapping, meta.decode_seq_lens,
-                                       meta.decode_block_tables, *dims)
+        c = self._compiled
+        if c is not None and (c.prefills or meta.num_decode_tokens == x.shape[0]):
+            return c.ops.decoder_layers_(  # type: ignore[attr-defined]
+                x, c.weights, c.large_weights, cpu_linear.TILE_MAX_ROWS, self.model.norm.weight, positions,
+                self.model.rotary.cos, self.model.rotary.sin, kv_cache, meta.slot_mapping, meta.num_decode_tokens,
+                meta.decode_seq_lens, meta.decode_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
+                meta.prefill_block_tables, *c.dims,
+            )
         # Each residual add goes with the norm after it (RMSNorm.add_norm_); x, the embeddings'
         # output, is this step's own, updated in place.
         layers = [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
@@ -330,17 +362,28 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, (RMSNorm, MLP, RotaryEmbedding)):
                 m.fused = ops
 
-    def use_compiled_decode(self, ops) -> None:
-        """Run every layer of a decode-only step in one compiled call (after use_fused_ops and
-        pack_cpu_linears: it reads the packed weights); the PyTorch layers stay the path of every
-        other step and the oracle. `ops` None turns it off (the tests' lockstep oracle)."""
-        self._compiled_layers = None
+    def use_compiled_layers(self, ops) -> None:
+        """Run every layer of a step in one compiled call, ops.decoder_layers_ (after use_fused_ops
+        and pack_cpu_linears: it reads the packed weights): every decode-only step, and steps with
+        prompts where the attention backend's prefills are the compiled op for this dtype and head
+        size (AttentionBackend.compiles_prefill). The PyTorch layers stay the path of every other
+        step and the oracle. `ops` None turns it off (the tests' lockstep oracle)."""
+        self._compiled = None
         if ops is None:
             return
-        args = [layer.compiled_args() for layer in self.model.layers if isinstance(layer, DecoderLayer)]
-        if len({dims for _, dims in args}) != 1:
-            raise ValueError("use_compiled_decode runs layers of one shape")
-        self._compiled_layers = (ops, [w for weights, _ in args for w in weights], args[0][1])
+        layers = [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
+        args = [layer.compiled_args() for layer in layers]
+        if len({dims for _, _, dims in args}) != 1:
+            raise ValueError("use_compiled_layers runs layers of one shape")
+        if len({bool(large) for _, large, _ in args}) > 1:
+            raise ValueError("use_compiled_layers needs a second packing in every layer or in none")
+        dims = args[0][2]
+        backend = layers[0].self_attn.backend if layers else None
+        prefills = backend is not None and backend.compiles_prefill(self.lm_head.weight.dtype, dims[2])
+        self._compiled = CompiledLayers(
+            ops, [w for weights, _, _ in args for w in weights], [w for _, large, _ in args for w in large], dims,
+            prefills,
+        )
 
     def pack_cpu_linears(self, layout: str, ops: object | None = None) -> int:
         """Pack every projection and the LM head (CPU only) in `layout`: "onednn", or for the

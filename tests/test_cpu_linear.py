@@ -157,7 +157,7 @@ def test_an_engine_whose_mlp_fuses_gives_the_tokens_of_the_plain_matmuls(tmp_pat
     model = load_model(str(make_tiny_llama_dir(tmp_path, intermediate_size=144)))
     fused_engine, fused = greedy(model, monkeypatch, "pdserve")
     plain_engine, plain = greedy(model, monkeypatch, "mkl")
-    assert fused_engine.runner.compiled_decode
+    assert fused_engine.runner.compiled_layers
     assert all(m.panels is not None for m in linears(fused_engine))
     assert all(m.panels is None for m in linears(plain_engine))
     assert all(len(v) == 12 for v in fused.values())
@@ -233,7 +233,7 @@ def test_auto_runs_the_compiled_linear_on_avx2_and_onednn_on_avx512_in_float32(t
     else:
         assert engine.runner.cpu_linear == "pdserve"
         assert all(m.panels is not None and m.packed is None for m in linears(engine))
-    assert engine.runner.compiled_decode, "either packing runs decode steps through the compiled layer"
+    assert engine.runner.compiled_layers, "either packing runs decode steps through the compiled layer"
     assert all(len(v) == 12 for v in out.values())
 
 

@@ -196,12 +196,12 @@ def test_auto_takes_the_tiles_for_bfloat16_where_amx_runs_and_they_agree_with_th
     monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
     monkeypatch.setattr(runner_module, "amx_tiles_run", lambda ops: ops is not None)
     compiled, out = greedy(tiny, "bfloat16")
-    assert compiled.runner.cpu_linear == "amx" and compiled.runner.compiled_decode
+    assert compiled.runner.cpu_linear == "amx" and compiled.runner.compiled_layers
     lins = [m for m in compiled.runner.model.modules() if isinstance(m, Linear)]
     onednn = onednn_linear_available(torch.bfloat16)  # kept for large prefills where it is there
     assert all(m.tiles is not None and m.panels is None and (m.packed is not None) == onednn for m in lins)
     eager = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="bfloat16"), loaded=tiny)
-    eager.runner.model.use_compiled_decode(None)
+    eager.runner.model.use_compiled_layers(None)
     eager_out = greedy_tokens(eager, PROMPTS, 10)
     assert all(len(v) == 10 for v in out.values())
     assert out == eager_out

@@ -381,7 +381,7 @@ def test_the_engine_gives_the_same_greedy_tokens_with_and_without_the_fused_ops(
         monkeypatch.setenv(CPU_FUSED_ENV, flag)
         engine = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32"), loaded=tiny)
         assert engine.runner.fused_elementwise is (flag == "1")
-        assert engine.runner.compiled_decode is (flag == "1")
+        assert engine.runner.compiled_layers is (flag == "1")
         outs[flag] = greedy_tokens(engine, {f"r{i}": [5 + i, 60, 7, 300 + i] for i in range(3)}, 10)
     assert all(len(v) == 10 for v in outs["1"].values())
     assert outs["1"] == outs["0"]
@@ -419,8 +419,8 @@ def lockstep_compiled_and_pytorch_layers(tiny, dtype: str, max_tokens: int):
     from pdserve.engine.engine import Engine
 
     engines = [Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype=dtype), loaded=tiny) for _ in range(2)]
-    assert all(e.runner.compiled_decode for e in engines)
-    engines[1].runner.model.use_compiled_decode(None)
+    assert all(e.runner.compiled_layers for e in engines)
+    engines[1].runner.model.use_compiled_layers(None)
     prompts = {f"r{i}": list(range(5 + i, 5 + 9 * (i + 1))) for i in range(3)}
     outs = [greedy_tokens(engine, prompts, max_tokens) for engine in engines]
     assert all(len(v) == max_tokens for v in outs[0].values())
@@ -441,12 +441,74 @@ def test_a_compiled_decoder_layer_step_writes_the_cache_and_tokens_the_pytorch_l
     torch.testing.assert_close(engines[0].runner.kv_cache, engines[1].runner.kv_cache, atol=1e-4, rtol=1e-4)
 
 
-def test_a_compiled_decoder_layer_refuses_a_step_with_a_prefill(backend):
+def test_the_compiled_layers_refuse_prompt_metadata_that_does_not_cover_the_step(backend):
+    """3 rows, 1 of them a decode: the prompts' offsets must end at the other 2."""
     x = torch.randn(3, 8)
-    with pytest.raises(RuntimeError, match="decode-only"):
-        backend.ops.decoder_layers_(x, [], torch.ones(8), torch.empty(0), torch.empty(0), torch.empty(0),
-                                    torch.empty(0, 2, 1, 1, 1, 1), torch.empty(0), torch.zeros(2, dtype=torch.int32),
-                                    torch.empty(0), 1, 1, 8, 8, 1e-5, 1.0)
+    with pytest.raises(RuntimeError, match="cover the 2 rows"):
+        backend.ops.decoder_layers_(x, [], [], 0, torch.ones(8), torch.empty(0), torch.empty(0), torch.empty(0),
+                                    torch.empty(0, 2, 1, 1, 1, 1), torch.empty(0), 1, torch.ones(1, dtype=torch.int32),
+                                    torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32),
+                                    torch.tensor([3], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
+                                    1, 1, 8, 8, 1e-5, 1.0)
+    with pytest.raises(RuntimeError, match="num_decode 4 of 3"):
+        backend.ops.decoder_layers_(x, [], [], 0, torch.ones(8), torch.empty(0), torch.empty(0), torch.empty(0),
+                                    torch.empty(0, 2, 1, 1, 1, 1), torch.empty(0), 4, torch.ones(4, dtype=torch.int32),
+                                    torch.zeros(4, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                                    torch.zeros(0, dtype=torch.int32), torch.zeros(0, 1, dtype=torch.int32),
+                                    1, 1, 8, 8, 1e-5, 1.0)
+
+
+class StepRecorder:
+    """Stands in for torch.ops.pdserve_cpu in a model's CompiledLayers: records each step's
+    (rows, decode rows) and runs the real decoder_layers_."""
+
+    def __init__(self, ops) -> None:
+        self.ops, self.steps = ops, []
+
+    def decoder_layers_(self, x, *args):
+        self.steps.append((x.shape[0], args[9]))  # num_decode follows x and nine other arguments
+        return self.ops.decoder_layers_(x, *args)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_layers_run_prompts_chunks_prefixes_and_mixed_steps_as_the_pytorch_layers_do(
+        tmp_path, monkeypatch, dtype):
+    """A 16-token budget chunks the prompts (later chunks attend over a cached prefix) and mixes
+    decodes with prompt chunks; a second wave shares a cached prefix with the first. The engine
+    whose steps all go through decoder_layers_ (where the backend's prefill is the compiled op:
+    float32 always, bfloat16 on AMX with head size 32) gives the PyTorch layers' tokens and cache."""
+    import dataclasses
+
+    from pdserve.config.engine import EngineConfig
+    from pdserve.engine.engine import Engine
+    from pdserve.model.weights import load_model
+    from tests.helpers.tiny_llama import make_tiny_llama_dir
+
+    monkeypatch.delenv("PDSERVE_CPU_FUSED", raising=False)
+    loaded = load_model(str(make_tiny_llama_dir(tmp_path / "tiny32", hidden_size=128)))  # head size 32
+    config = EngineConfig(model="tiny", num_kv_blocks=64, dtype=dtype, max_num_batched_tokens=16)
+    engines = [Engine(config, loaded=loaded) for _ in range(2)]
+    model = engines[0].runner.model
+    compiled = model.compiled_layers
+    assert compiled is not None and engines[0].runner.compiled_layers
+    backend = model.model.layers[0].self_attn.backend
+    assert compiled.prefills == backend.compiles_prefill(getattr(torch, dtype), 32)
+    assert compiled.prefills or dtype == "bfloat16", "float32 prefills are always the compiled op"
+    recorder = StepRecorder(compiled.ops)
+    model._compiled = dataclasses.replace(compiled, ops=recorder)
+    engines[1].runner.model.use_compiled_layers(None)
+    first = {f"a{i}": [7 + i] + list(range(20, 20 + 11 * i)) for i in range(3)}
+    second = {f"b{i}": first["a2"][:20] + [90 + i, 3] for i in range(2)}  # a2's first block is cached
+    outs = [{**greedy_tokens(e, first, 6), **greedy_tokens(e, second, 5)} for e in engines]
+    assert outs[0] == outs[1] and all(len(v) in (5, 6) for v in outs[0].values())
+    tol = 1e-4 if dtype == "float32" else 0
+    torch.testing.assert_close(engines[0].runner.kv_cache, engines[1].runner.kv_cache, atol=tol, rtol=tol)
+    if compiled.prefills:
+        assert any(nd == 0 for _, nd in recorder.steps), "prompt-only steps"
+        assert any(0 < nd < rows for rows, nd in recorder.steps), "steps that mix decodes and prompt chunks"
+        assert engines[0].scheduler.pool.cache_hits > 0, "the second wave's prompts start from a cached prefix"
+    else:
+        assert all(nd == rows for rows, nd in recorder.steps), "only decode-only steps"
 
 
 def test_a_bfloat16_compiled_decoder_layer_matches_the_pytorch_layers(tiny, monkeypatch):

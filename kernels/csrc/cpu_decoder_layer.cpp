@@ -1,18 +1,22 @@
-// The decoder layers of a decode-only step in one call. The same math in the same order as
-// model/llama.py's DecoderLayer (each residual add with the norm after it, RMSNorm.add_norm_), its
-// oracle:
+// The decoder layers of a step in one call: decode-only steps, prefills and mixed steps alike. The
+// same math in the same order as model/llama.py's DecoderLayer (each residual add with the norm
+// after it, RMSNorm.add_norm_) and the compiled backend (kernels/cpu_backend.py), its oracle:
 //
 //   h = rms_norm(x); q, k, v = split(h Wqkv^T); rotary(q, k); store k, v at their slots
-//   x += attention(q, paged cache) Wo^T
+//   x += attention(q, paged cache; each new prompt causal over its prefix) Wo^T
 //   h = rms_norm(x); x += (silu(gate) * up)(h Wgate_up^T) Wdown^T
 //
-// A decode step at small batch spends as long on the Python layer's ~45 eager calls (dispatch,
-// views, checks, temporaries) as on the maths itself; here they are direct calls to the compiled
-// ops (ops.h), and x, the residual stream, is updated in place. The projections take either
-// packing (ops.h `project`): our panels, or oneDNN's layout where bfloat16 runs on AMX/AVX512-BF16.
+// A step through the Python layers spends about 4 ms (SmolLM2's 30 layers, 2-core Sapphire Rapids)
+// on their ~12 calls a layer (modules, dispatch, views, checks, temporaries), as long as a 64-token
+// prefill's attention and norms together; here they are direct calls to the compiled ops (ops.h),
+// and x, the residual stream, is updated in place. The projections take any packing (ops.h
+// `project`): our panels, AMX tiles, or oneDNN's layout, with a second packing for steps of more
+// rows than `large_above` where the layers keep one (AMX tiles for small steps, oneDNN for large).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
+
+#include <vector>
 
 #include "ops.h"
 
@@ -20,60 +24,137 @@ namespace pdserve_cpu {
 
 namespace {
 
+// What a step's attention reads, beyond q, k and v: the first `num_decode` rows decode (one token
+// per sequence, paged), the rest are new prompts' rows, sequence b at rows num_decode + cu[b] ..
+// num_decode + cu[b + 1], `lens[b]` tokens long with its prefix (lens[b] - its rows) in the cache.
+struct StepShape {
+  int64_t num_decode;
+  const at::Tensor& decode_seq_lens;
+  const at::Tensor& decode_block_tables;
+  std::vector<int64_t> cu, lens;
+  const at::Tensor& prefill_block_tables;
+};
+
+// A sequence's first `length` cached positions as a dense [length, Hkv, D] (kernels/reference.py
+// gather_kv).
+at::Tensor gather(const at::Tensor& cache, const at::Tensor& table_row, int64_t length) {
+  const int64_t block = cache.size(1), blocks = (length + block - 1) / block;
+  const at::Tensor rows = cache.index_select(0, table_row.narrow(0, 0, blocks).to(at::kLong));
+  return rows.reshape({-1, cache.size(2), cache.size(3)}).narrow(0, 0, length);
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const StepShape& step, double scale) {
+  const int64_t tokens = q.size(0), nd = step.num_decode;
+  if (nd == tokens) return decode_attention(q, k_cache, v_cache, step.decode_seq_lens, step.decode_block_tables, scale);
+  const size_t prompts = step.lens.size();
+  if (nd == 0 && prompts == 1 && step.lens[0] == tokens) return prefill_attention(q, k, v, 0, scale);
+  at::Tensor out = at::empty_like(q);
+  if (nd > 0)
+    out.narrow(0, 0, nd).copy_(decode_attention(q.narrow(0, 0, nd), k_cache, v_cache, step.decode_seq_lens,
+                                                step.decode_block_tables, scale));
+  for (size_t b = 0; b < prompts; ++b) {
+    const int64_t start = nd + step.cu[b], rows = step.cu[b + 1] - step.cu[b], prefix = step.lens[b] - rows;
+    if (rows == 0) continue;
+    const at::Tensor qs = q.narrow(0, start, rows);
+    at::Tensor o;
+    if (prefix == 0) {
+      o = prefill_attention(qs, k.narrow(0, start, rows), v.narrow(0, start, rows), 0, scale);
+    } else {
+      const at::Tensor table = step.prefill_block_tables.select(0, static_cast<int64_t>(b));
+      o = prefill_attention(qs, gather(k_cache, table, step.lens[b]), gather(v_cache, table, step.lens[b]), prefix,
+                            scale);
+    }
+    out.narrow(0, start, rows).copy_(o);
+  }
+  return out;
+}
+
 // One layer from h, its input already normalised: x += attention, then x += MLP, in place. The
 // residual adds go with the norms after them (add_rms_norm_: one pass, the same numbers as
 // `x += y` then rms_norm): the post-attention norm, then `after` (the next layer's input norm or
-// the final one), whose output it returns.
-at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tensor& post_norm, const at::Tensor& qkv,
-                             const at::Tensor& o, const at::Tensor& gate_up, const at::Tensor& down,
+// the final one), whose output it returns. `proj` holds the layer's four projections in the
+// packing this step's row count takes.
+at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tensor& post_norm, const at::Tensor* proj,
                              const at::Tensor& after, const at::Tensor& positions, const at::Tensor& cos,
-                             const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-                             const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
-                             const at::Tensor& block_tables, int64_t num_heads, int64_t num_kv_heads,
-                             int64_t head_dim, int64_t intermediate_size, double eps, double scale) {
+                             const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& slot_mapping, const StepShape& step, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
+                             double scale) {
   const int64_t tokens = x.size(0), hidden = x.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const at::Tensor qkv_out = project(h, qkv, q_size + 2 * kv_size);
+  const at::Tensor qkv_out = project(h, proj[0], q_size + 2 * kv_size);
   const at::Tensor q = qkv_out.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
   const at::Tensor k = qkv_out.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
   const at::Tensor v = qkv_out.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
   rotary_(q, k, positions, cos, sin);
-  store_kv_(k, v, k_cache, v_cache, slot_mapping);
-  const at::Tensor attn = decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale);
-  const at::Tensor h2 = add_rms_norm_(x, project(attn.view({tokens, q_size}), o, hidden), post_norm, eps);
-  const at::Tensor mlp = project(project_silu_mul(h2, gate_up, intermediate_size), down, hidden);
+  at::Tensor kc = k_cache, vc = v_cache;
+  store_kv_(k, v, kc, vc, slot_mapping);
+  const at::Tensor attn = attention(q, k, v, k_cache, v_cache, step, scale);
+  const at::Tensor h2 = add_rms_norm_(x, project(attn.reshape({tokens, q_size}), proj[1], hidden), post_norm, eps);
+  const at::Tensor mlp = project(project_silu_mul(h2, proj[2], intermediate_size), proj[3], hidden);
   return add_rms_norm_(x, mlp, after, eps);
+}
+
+std::vector<int64_t> as_longs(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kLong).contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
 }
 
 }  // namespace
 
-// Every layer of a decode-only step, and the final norm, in one call: weights six per layer in its
-// order (input norm, post norm, qkv, o, gate_up, down), kv_cache the engine's [L, 2, blocks, S,
-// Hkv, D]. Returns the final hidden states, normalised; x, the residual stream, is updated in place.
-// One call from Python instead of one per layer: at batch 1 the 30 calls of SmolLM2 and their
-// argument handling took about 1 ms of a 16 ms step.
-at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, const at::Tensor& final_norm,
-                           const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
-                           at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Tensor& seq_lens,
-                           const at::Tensor& block_tables, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t intermediate_size, double eps, double scale) {
-  constexpr int64_t kPerLayer = 6;
+// Every layer of a step, and the final norm, in one call: weights six per layer in its order (input
+// norm, post norm, qkv, o, gate_up, down), large_weights empty or four per layer (qkv, o, gate_up,
+// down: the packing for steps of more than large_above rows), kv_cache the engine's [L, 2, blocks,
+// S, Hkv, D], and the step's attention metadata as model/llama.py's AttentionMetadata holds it
+// (int32 lengths, tables and offsets). Returns the final hidden states, normalised; x, the residual
+// stream, is updated in place. One call from Python instead of one per layer: at batch 1 the 30
+// calls of SmolLM2 and their argument handling took about 1 ms of a 16 ms step.
+at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, at::TensorList large_weights, int64_t large_above,
+                           const at::Tensor& final_norm, const at::Tensor& positions, const at::Tensor& cos,
+                           const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping,
+                           int64_t num_decode, const at::Tensor& decode_seq_lens,
+                           const at::Tensor& decode_block_tables, const at::Tensor& prefill_cu_seqlens_q,
+                           const at::Tensor& prefill_seq_lens, const at::Tensor& prefill_block_tables,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
+                           double eps, double scale) {
+  constexpr int64_t kPerLayer = 6, kProjections = 4;
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2, "kv_cache must be [L, 2, blocks, S, Hkv, D], got ",
               kv_cache.sizes());
   const int64_t layers = kv_cache.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * layers, "expected ", kPerLayer,
               " weights for each of ", layers, " layers, got ", weights.size());
+  TORCH_CHECK(large_weights.empty() || static_cast<int64_t>(large_weights.size()) == kProjections * layers,
+              "large_weights: none, or ", kProjections, " for each of ", layers, " layers, got ", large_weights.size());
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, H]");
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == x.size(0),
-              "decoder_layers_ runs decode-only steps: one token per sequence, seq_lens [T]");
+  const int64_t tokens = x.size(0);
+  TORCH_CHECK(num_decode >= 0 && num_decode <= tokens && decode_seq_lens.dim() == 1 &&
+                  decode_seq_lens.size(0) == num_decode,
+              "num_decode ", num_decode, " of ", tokens, " tokens, with one decode length each, got ",
+              decode_seq_lens.sizes());
+  StepShape step{num_decode, decode_seq_lens, decode_block_tables, {}, {}, prefill_block_tables};
+  if (num_decode < tokens) {
+    step.cu = as_longs(prefill_cu_seqlens_q);
+    step.lens = as_longs(prefill_seq_lens);
+    TORCH_CHECK(step.cu.size() == step.lens.size() + 1 && step.cu.front() == 0 &&
+                    step.cu.back() == tokens - num_decode && prefill_block_tables.dim() == 2 &&
+                    prefill_block_tables.size(0) == static_cast<int64_t>(step.lens.size()),
+                "the prefill rows' metadata must cover the ", tokens - num_decode,
+                " rows after the decodes: cu_seqlens [0 .. rows], a length and a block table per prompt");
+    for (size_t b = 0; b < step.lens.size(); ++b)
+      TORCH_CHECK(step.cu[b + 1] >= step.cu[b] && step.lens[b] >= step.cu[b + 1] - step.cu[b],
+                  "prompt ", b, ": ", step.cu[b + 1] - step.cu[b], " new rows in a sequence of ", step.lens[b]);
+  }
+  const bool large = !large_weights.empty() && tokens > large_above;
   at::Tensor h = rms_norm(x, layers > 0 ? weights[0] : final_norm, eps);
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + kPerLayer * l;
+    const at::Tensor* proj = large ? large_weights.data() + kProjections * l : w + 2;
     const at::Tensor& after = l + 1 < layers ? w[kPerLayer] : final_norm;  // the next layer's input norm
     const at::Tensor layer_cache = kv_cache.select(0, l);
-    h = layer_from_normed(x, h, w[1], w[2], w[3], w[4], w[5], after, positions, cos, sin, layer_cache.select(0, 0),
-                          layer_cache.select(0, 1), slot_mapping, seq_lens, block_tables, num_heads, num_kv_heads,
-                          head_dim, intermediate_size, eps, scale);
+    h = layer_from_normed(x, h, w[1], proj, after, positions, cos, sin, layer_cache.select(0, 0),
+                          layer_cache.select(0, 1), slot_mapping, step, num_heads, num_kv_heads, head_dim,
+                          intermediate_size, eps, scale);
   }
   return h;
 }
@@ -82,9 +163,11 @@ at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, const at::Tenso
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def(
-      "decoder_layers_(Tensor(a!) x, Tensor[] weights, Tensor final_norm, Tensor positions, Tensor cos, "
-      "Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, Tensor seq_lens, Tensor block_tables, "
-      "int num_heads, int num_kv_heads, int head_dim, int intermediate_size, float eps, float scale) -> Tensor");
+      "decoder_layers_(Tensor(a!) x, Tensor[] weights, Tensor[] large_weights, int large_above, Tensor final_norm, "
+      "Tensor positions, Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, int num_decode, "
+      "Tensor decode_seq_lens, Tensor decode_block_tables, Tensor prefill_cu_seqlens_q, Tensor prefill_seq_lens, "
+      "Tensor prefill_block_tables, int num_heads, int num_kv_heads, int head_dim, int intermediate_size, float eps, "
+      "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("decoder_layers_", &pdserve_cpu::decoder_layers_); }

@@ -47,6 +47,11 @@ void panel_product(const float* x, int64_t ldx, int64_t rows, const float* panel
 constexpr int64_t kPanelColumns = 24;
 constexpr int64_t kPanelRowBlock = 48;
 
+// cpu_prefill.cpp: causal attention of one new prompt's rows over its keys (offset of them cached
+// before it), float32 or bfloat16 (the tiles below).
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value, int64_t offset,
+                             double scale);
+
 // cpu_prefill_tiles.cpp: prefill_attention in bfloat16 (checked there), D a multiple of 32.
 at::Tensor prefill_attention_tiles(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value, int64_t offset,
                                    double scale);
