@@ -59,8 +59,7 @@ class ModelRunner:
             self.model.use_fused_ops(fused_ops)
         # Steps run every layer in one compiled call where every piece of it is compiled: decode-only
         # steps, and steps with prompts where the backend's prefill attention is compiled too.
-        self.compiled_layers = self.fused_elementwise and self.cpu_linear in ("amx", "pdserve", "onednn")
-        if self.compiled_layers:
+        if self.fused_elementwise and self.cpu_linear in ("amx", "pdserve", "onednn"):
             self.model.use_compiled_layers(self.compiled_ops)
         m = model_config
         shape = (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
@@ -83,6 +82,11 @@ class ModelRunner:
 
             return TritonElementwise()
         return None
+
+    @property
+    def compiled_layers(self) -> bool:
+        """Whether steps run every layer in one compiled call (model.compiled_layers)."""
+        return self.model.compiled_layers is not None
 
     @property
     def kv_cache_resident(self) -> bool:

@@ -36,16 +36,13 @@ class CpuBackend(ReferenceBackend):
         self.ops.store_kv_(key, value, k_cache, v_cache, slot_mapping)  # type: ignore[attr-defined]
 
     def causal_attention(self, q, k, v, offset: int, scale: float) -> torch.Tensor:
-        if not computes(q, k, v) or (q.dtype == torch.bfloat16 and not self.amx_prefill_takes(q)):
+        if not computes(q, k, v) or not self.compiles_prefill(q.dtype, q.shape[-1]):
             return super().causal_attention(q, k, v, offset, scale)
         return self.ops.prefill_attention(q, k, v, offset, float(scale))  # type: ignore[attr-defined]
 
-    def amx_prefill_takes(self, q: torch.Tensor) -> bool:
-        """Whether a bfloat16 prefill of q runs on the AMX tiles: the CPU has them and the head
-        size is whole tile rows (32 bfloat16)."""
-        return self.amx_prefill and q.shape[-1] % 32 == 0
-
     def compiles_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """float32 always; bfloat16 where it runs on the AMX tiles: the CPU has them and the head
+        size is whole tile rows (32 bfloat16)."""
         return dtype == torch.float32 or (dtype == torch.bfloat16 and self.amx_prefill and head_dim % 32 == 0)
 
     def decode_attention(self, q, k_cache, v_cache, seq_lens, block_tables, scale) -> torch.Tensor:

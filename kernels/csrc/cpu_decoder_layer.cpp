@@ -77,7 +77,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // packing this step's row count takes.
 at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tensor& post_norm, const at::Tensor* proj,
                              const at::Tensor& after, const at::Tensor& positions, const at::Tensor& cos,
-                             const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                              const at::Tensor& slot_mapping, const StepShape& step, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
                              double scale) {
@@ -88,8 +88,7 @@ at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tenso
   const at::Tensor k = qkv_out.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
   const at::Tensor v = qkv_out.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
   rotary_(q, k, positions, cos, sin);
-  at::Tensor kc = k_cache, vc = v_cache;
-  store_kv_(k, v, kc, vc, slot_mapping);
+  store_kv_(k, v, k_cache, v_cache, slot_mapping);
   const at::Tensor attn = attention(q, k, v, k_cache, v_cache, step, scale);
   const at::Tensor h2 = add_rms_norm_(x, project(attn.reshape({tokens, q_size}), proj[1], hidden), post_norm, eps);
   const at::Tensor mlp = project(project_silu_mul(h2, proj[2], intermediate_size), proj[3], hidden);

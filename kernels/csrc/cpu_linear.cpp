@@ -207,14 +207,10 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_
 }
 
 at::Tensor project_silu_mul(const at::Tensor& x, const at::Tensor& weight, int64_t intermediate) {
-  if (fuses_silu_mul(weight, intermediate))
-    return weight.dim() == 5 ? tile_linear_silu_mul(x, weight, intermediate) : linear_silu_mul(x, weight, intermediate);
+  if (tile_fuses_silu_mul(weight, intermediate)) return tile_linear_silu_mul(x, weight, intermediate);
+  if (weight.dim() == 3 && weight.size(2) == kPanel && intermediate % kPanel == 0)
+    return linear_silu_mul(x, weight, intermediate);
   return silu_mul(project(x, weight, 2 * intermediate));
-}
-
-bool fuses_silu_mul(const at::Tensor& weight, int64_t intermediate) {
-  if (weight.dim() == 5) return tile_fuses_silu_mul(weight, intermediate);
-  return weight.dim() == 3 && weight.size(2) == kPanel && intermediate % kPanel == 0;
 }
 
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_features) {

@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -149,63 +150,36 @@ struct PortableChunks {
 // for each group of 32 columns and ran at half oneDNN's rate.
 constexpr int64_t kBlockBytes = 512 * 1024;
 
-// The loop both kernels share: within a block of rows, each thread takes a share of the groups
-// and multiplies each with every chunk of up to 32 rows (`Chunks`, one per thread; the block's
-// first chunk reads the group's weight from memory), then rounds the chunk into y.
-template <typename Chunks>
-void by_groups(const bf16* x, int64_t rows, int64_t ldx, const bf16* w, int64_t groups, int64_t steps, int64_t n,
-               bf16* y) {
+// The loop both ops share: within a block of rows, each thread takes a share of the weight's
+// `units` (groups of 32 columns, or gate/up pairs of them) and calls
+// `per_chunk(chunks, unit, m0, rows, first, acc)` for each chunk of up to 32 rows from row m0;
+// `first` marks the block's first chunk, which reads the unit's weight from memory. `Chunks`
+// multiplies (one per thread: AMX tiles or the portable loop).
+template <typename Chunks, typename PerChunk>
+void by_row_blocks(int64_t rows, int64_t steps, int64_t units, const PerChunk& per_chunk) {
   const int64_t row_bytes = steps * kStep * static_cast<int64_t>(sizeof(bf16));
   const int64_t block = std::max(kChunk, kBlockBytes / row_bytes / kChunk * kChunk);
   for (int64_t b0 = 0; b0 < rows; b0 += block) {
     const int64_t b_end = std::min(rows, b0 + block);
-    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
       Chunks chunks;
       alignas(64) float acc[kChunk * kGroup];
-      for (int64_t g = begin; g < end; ++g) {
-        const bf16* wg = w + g * steps * kStepElems;
-        for (int64_t m0 = b0; m0 < b_end; m0 += kChunk) {
-          const int chunk = static_cast<int>(std::min(kChunk, b_end - m0));
-          chunks(x + m0 * ldx, ldx, chunk, wg, steps, m0 == b0, acc);
-          write_rows(acc, chunk, std::min(kGroup, n - g * kGroup), y + m0 * n + g * kGroup, n);
-        }
+      for (int64_t u = begin; u < end; ++u) {
+        for (int64_t m0 = b0; m0 < b_end; m0 += kChunk)
+          per_chunk(chunks, u, m0, static_cast<int>(std::min(kChunk, b_end - m0)), m0 == b0, acc);
       }
     });
   }
 }
 
-// silu(gate) * up for a gate/up weight of 2 I columns, I a multiple of 32 (groups [0, I/32) the
-// gate's, [I/32, 2 I/32) the up's): each thread takes a share of the gate's groups and, per chunk
-// of rows, multiplies the chunk with group p and with group I/32 + p, rounds both to bfloat16 as
-// the projection's output would be, and applies silu_mul_row (vec.h) to those 32 columns. The
-// same numbers as silu_mul(tile_linear(x, W, 2 I)) to the bit, without writing the [M, 2 I]
-// projection and reading it back in a second parallel pass.
-template <typename Chunks>
-void silu_mul_by_pairs(const bf16* x, int64_t rows, int64_t ldx, const bf16* w, int64_t pairs, int64_t steps, bf16* y) {
-  const int64_t row_bytes = steps * kStep * static_cast<int64_t>(sizeof(bf16));
-  const int64_t block = std::max(kChunk, kBlockBytes / row_bytes / kChunk * kChunk);
-  const int64_t inter = pairs * kGroup, group_elems = steps * kStepElems;
-  for (int64_t b0 = 0; b0 < rows; b0 += block) {
-    const int64_t b_end = std::min(rows, b0 + block);
-    at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-      Chunks chunks;
-      alignas(64) float acc[kChunk * kGroup];
-      alignas(64) bf16 gate[kChunk * kGroup], up[kChunk * kGroup];
-      for (int64_t p = begin; p < end; ++p) {
-        const bf16* wg = w + p * group_elems;
-        const bf16* wu = w + (pairs + p) * group_elems;
-        for (int64_t m0 = b0; m0 < b_end; m0 += kChunk) {
-          const int chunk = static_cast<int>(std::min(kChunk, b_end - m0));
-          chunks(x + m0 * ldx, ldx, chunk, wg, steps, m0 == b0, acc);
-          write_rows(acc, chunk, kGroup, gate, kGroup);
-          chunks(x + m0 * ldx, ldx, chunk, wu, steps, m0 == b0, acc);
-          write_rows(acc, chunk, kGroup, up, kGroup);
-          for (int r = 0; r < chunk; ++r)
-            silu_mul_row(gate + r * kGroup, up + r * kGroup, y + (m0 + r) * inter + p * kGroup, kGroup);
-        }
-      }
-    });
-  }
+// run(std::type_identity<Chunks>{}) with the multiplier this process uses: AMX tiles where they
+// run, else the portable loop.
+template <typename Run>
+void with_chunks(const Run& run) {
+#if defined(PDSERVE_AMX)
+  if (pdserve_amx::ready()) return run(std::type_identity<AmxChunks>{});
+#endif
+  run(std::type_identity<PortableChunks>{});
 }
 
 }  // namespace
@@ -242,14 +216,14 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const auto* xp = xc.data_ptr<bf16>();
   const auto* wp = packed.data_ptr<bf16>();
   auto* yp = y.data_ptr<bf16>();
-  const int64_t rows = xc.size(0), ldx = xc.stride(0), groups = packed.size(0), steps = packed.size(1);
-#if defined(PDSERVE_AMX)
-  if (pdserve_amx::ready()) {
-    by_groups<AmxChunks>(xp, rows, ldx, wp, groups, steps, out_features, yp);
-    return y;
-  }
-#endif
-  by_groups<PortableChunks>(xp, rows, ldx, wp, groups, steps, out_features, yp);
+  const int64_t ldx = xc.stride(0), steps = packed.size(1), group_elems = steps * kStepElems, n = out_features;
+  with_chunks([&]<typename Chunks>(std::type_identity<Chunks>) {
+    by_row_blocks<Chunks>(xc.size(0), steps, packed.size(0),
+                          [&](Chunks& chunks, int64_t g, int64_t m0, int rows, bool first, float* acc) {
+                            chunks(xp + m0 * ldx, ldx, rows, wp + g * group_elems, steps, first, acc);
+                            write_rows(acc, rows, std::min(kGroup, n - g * kGroup), yp + m0 * n + g * kGroup, n);
+                          });
+  });
   return y;
 }
 
@@ -267,14 +241,26 @@ at::Tensor tile_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
   const auto* xp = xc.data_ptr<bf16>();
   const auto* wp = packed.data_ptr<bf16>();
   auto* yp = y.data_ptr<bf16>();
-  const int64_t rows = xc.size(0), ldx = xc.stride(0), pairs = intermediate / kGroup, steps = packed.size(1);
-#if defined(PDSERVE_AMX)
-  if (pdserve_amx::ready()) {
-    silu_mul_by_pairs<AmxChunks>(xp, rows, ldx, wp, pairs, steps, yp);
-    return y;
-  }
-#endif
-  silu_mul_by_pairs<PortableChunks>(xp, rows, ldx, wp, pairs, steps, yp);
+  // Pair p is the gate's group p and the up's group I/32 + p: both products of a chunk are rounded
+  // to bfloat16 as the projection's output would be, then silu_mul_row (vec.h, the op's own row
+  // function) takes those 32 columns. The same bits as silu_mul(tile_linear(x, W, 2 I)), without
+  // writing the [M, 2 I] projection and reading it back in a second parallel pass.
+  const int64_t ldx = xc.stride(0), pairs = intermediate / kGroup, steps = packed.size(1);
+  const int64_t group_elems = steps * kStepElems;
+  with_chunks([&]<typename Chunks>(std::type_identity<Chunks>) {
+    by_row_blocks<Chunks>(xc.size(0), steps, pairs,
+                          [&](Chunks& chunks, int64_t p, int64_t m0, int rows, bool first, float* acc) {
+                            alignas(64) bf16 gate[kChunk * kGroup], up[kChunk * kGroup];
+                            const bf16* x0 = xp + m0 * ldx;
+                            chunks(x0, ldx, rows, wp + p * group_elems, steps, first, acc);
+                            write_rows(acc, rows, kGroup, gate, kGroup);
+                            chunks(x0, ldx, rows, wp + (pairs + p) * group_elems, steps, first, acc);
+                            write_rows(acc, rows, kGroup, up, kGroup);
+                            for (int r = 0; r < rows; ++r)
+                              silu_mul_row(gate + r * kGroup, up + r * kGroup, yp + (m0 + r) * intermediate + p * kGroup,
+                                           kGroup);
+                          });
+  });
   return y;
 }
 

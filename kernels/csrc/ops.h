@@ -31,10 +31,8 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_fe
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed);
 // silu(gate) * up of x through a gate/up weight [2 I, K] packed in 24-column panels, I % 24 == 0.
 at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_t intermediate);
-// Whether project_silu_mul fuses for this weight: panels or AMX tiles, and an intermediate size of
-// whole panels or tile groups.
-bool fuses_silu_mul(const at::Tensor& weight, int64_t intermediate);
-// silu_mul(project(x, weight, 2 I)), in one pass where fuses_silu_mul holds.
+// silu_mul(project(x, weight, 2 I)), in one pass where the packing allows it: panels with I a
+// multiple of 24, or AMX tiles with I a multiple of 32 (tile_fuses_silu_mul).
 at::Tensor project_silu_mul(const at::Tensor& x, const at::Tensor& weight, int64_t intermediate);
 
 // y [rows, n] = x [rows, k_size] times a float32 weight in 24-column panels, on this thread only:
