@@ -89,10 +89,6 @@ class Linear(nn.Module):
             return self.tiles
         return None
 
-    def runs_panels(self, x: torch.Tensor) -> bool:
-        """Whether forward(x) goes through the panel kernel."""
-        return self.panels is not None and self.tiles_for(x) is None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tiles = self.tiles_for(x)
         if tiles is not None:
@@ -233,12 +229,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
-            gate_up = self.gate_up_proj
-            if gate_up.runs_panels(x) and cpu_linear.fuses_silu_mul(self.intermediate_size):
-                return self.down_proj(cpu_linear.linear_silu_mul(gate_up.ops, x, gate_up.panels, self.intermediate_size))
+            # SiLU-mul inside the gate/up projection's own kernel where forward(x) runs one that can.
+            gate_up, inter = self.gate_up_proj, self.intermediate_size
             tiles = gate_up.tiles_for(x)
-            if tiles is not None and cpu_linear.tiles_fuse_silu_mul(self.intermediate_size):
-                return self.down_proj(cpu_linear.tile_linear_silu_mul(gate_up.ops, x, tiles, self.intermediate_size))
+            if tiles is not None and cpu_linear.tiles_fuse_silu_mul(inter):
+                return self.down_proj(cpu_linear.tile_linear_silu_mul(gate_up.ops, x, tiles, inter))
+            if tiles is None and gate_up.panels is not None and cpu_linear.fuses_silu_mul(inter):
+                return self.down_proj(cpu_linear.linear_silu_mul(gate_up.ops, x, gate_up.panels, inter))
             return self.down_proj(self.fused.silu_mul(gate_up(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
