@@ -464,10 +464,12 @@ class StepRecorder:
 
     def __init__(self, ops) -> None:
         self.ops, self.steps = ops, []
+        names = [a.name for a in ops.decoder_layers_.default._schema.arguments]
+        self.num_decode_at = names.index("num_decode")
 
-    def decoder_layers_(self, x, *args):
-        self.steps.append((x.shape[0], args[9]))  # num_decode follows x and nine other arguments
-        return self.ops.decoder_layers_(x, *args)
+    def decoder_layers_(self, *args):
+        self.steps.append((args[0].shape[0], args[self.num_decode_at]))
+        return self.ops.decoder_layers_(*args)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
