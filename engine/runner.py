@@ -21,7 +21,7 @@ from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.engine.scheduler import ScheduledRequest
 from pdserve.kernels.backends import get_backend
 from pdserve.kernels.cpu_backend import COMPILED_DTYPES, CpuBackend
-from pdserve.kernels.cpu_linear import amx_tiles_run
+from pdserve.kernels.cpu_linear import tile_kernel, tiles_run
 from pdserve.kernels.huge_pages import fault_in_background, zeros_on_huge_pages
 from pdserve.model.attention_metadata import AttentionMetadata
 from pdserve.model.config import ModelConfig, cpu_has_avx512, resolve_dtype, torch_dtype
@@ -29,7 +29,7 @@ from pdserve.model.llama import CPU_LINEAR_ENV, LlamaForCausalLM, onednn_linear_
 
 log = logging.getLogger(__name__)
 
-CPU_LINEAR_CHOICES = ("auto", "amx", "pdserve", "onednn", "mkl")
+CPU_LINEAR_CHOICES = ("auto", "tiles", "amx", "pdserve", "onednn", "mkl")  # "amx": the old name of "tiles"
 CPU_FUSED_ENV = "PDSERVE_CPU_FUSED"  # 0: eager PyTorch RMSNorm, SiLU-mul, rotary and decoder layers
 GPU_FUSED_ENV = "PDSERVE_GPU_FUSED"  # 0: eager PyTorch RMSNorm, SiLU-mul and rotary on CUDA
 
@@ -59,7 +59,7 @@ class ModelRunner:
             self.model.use_fused_ops(fused_ops)
         # Steps run every layer in one compiled call where every piece of it is compiled: decode-only
         # steps, and steps with prompts where the backend's prefill attention is compiled too.
-        if self.fused_elementwise and self.cpu_linear in ("amx", "pdserve", "onednn"):
+        if self.fused_elementwise and self.cpu_linear in ("tiles", "pdserve", "onednn"):
             self.model.use_compiled_layers(self.compiled_ops)
         m = model_config
         shape = (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
@@ -95,28 +95,31 @@ class ModelRunner:
         return self.kv_fault_in is None or not self.kv_fault_in.is_alive()
 
     def _pack_cpu_linears(self) -> str:
-        """Pick and pack the CPU matmul (PDSERVE_CPU_LINEAR): AMX tiles, the compiled panel kernel,
-        oneDNN's packed matmul, or MKL on the plain weight. `auto` takes the AMX tiles for
-        bfloat16 where the CPU has AMX (on a Sapphire Rapids they read decode steps' weights
-        1.4-1.6x faster than oneDNN); else oneDNN on CPUs with AVX-512 (its kernels use 512-bit
-        vectors and AVX512-BF16, where our panel kernel is 8 wide: on a Sapphire Rapids it ran a
-        float32 prefill of 1,024 tokens 1.5x faster) and for bfloat16 wherever oneDNN computes
-        it; the compiled panel kernel elsewhere (AVX2: 1.2-1.9x oneDNN at decode sizes) when it
-        built. A choice this machine cannot run falls back in that order."""
+        """Pick and pack the CPU matmul (PDSERVE_CPU_LINEAR): the bfloat16 tile kernel, the compiled
+        panel kernel, oneDNN's packed matmul, or MKL on the plain weight. `auto` takes the tiles for
+        bfloat16 where they run natively: on AMX (on a Sapphire Rapids they read decode steps'
+        weights 1.4-1.6x faster than oneDNN) or with AVX512-BF16 (on a Zen 4, 1.1-2.7x oneDNN from 1
+        to 64 rows); else oneDNN on CPUs with AVX-512 (its kernels use 512-bit vectors, where our
+        panel kernel is 8 wide: on a Sapphire Rapids it ran a float32 prefill of 1,024 tokens 1.5x
+        faster) and for bfloat16 wherever oneDNN computes it; the compiled panel kernel elsewhere
+        (AVX2: 1.2-1.9x oneDNN at decode sizes) when it built. A choice this machine cannot run
+        falls back in that order."""
         choice = os.environ.get(CPU_LINEAR_ENV, "auto")
         if choice not in CPU_LINEAR_CHOICES:
             raise ValueError(f"{CPU_LINEAR_ENV}={choice!r}: expected one of {', '.join(CPU_LINEAR_CHOICES)}")
         ops = self.compiled_ops
-        amx = self.dtype == torch.bfloat16 and amx_tiles_run(ops) and self.model.tiles_fit()
+        tiles = self.dtype == torch.bfloat16 and tiles_run(ops) and self.model.tiles_fit()
         onednn = onednn_linear_available(self.dtype)
         if choice == "auto":
             prefer_onednn = self.dtype == torch.bfloat16 or cpu_has_avx512()
-            choice = "amx" if amx else "onednn" if (onednn and prefer_onednn) or ops is None else "pdserve"
-        if choice == "amx":
-            if amx:  # and oneDNN's packing for large prefills, where it is faster (cpu_linear.TILE_MAX_ROWS)
+            choice = "tiles" if tiles else "onednn" if (onednn and prefer_onednn) or ops is None else "pdserve"
+        if choice in ("tiles", "amx"):
+            if tiles:  # and oneDNN's packing for large prefills, where it is faster (cpu_linear.TILE_MAX_ROWS)
                 self.model.pack_cpu_linears("tiles+onednn" if onednn else "tiles", ops)
-                return "amx"
-            log.warning("%s=amx: this CPU, dtype or model cannot run the AMX tile kernel; falling back", CPU_LINEAR_ENV)
+                log.info("CPU linears: bfloat16 tiles on %s", tile_kernel(ops))
+                return "tiles"
+            log.warning("%s=%s: this CPU, dtype or model cannot run the tile kernel natively (%s); falling back",
+                        CPU_LINEAR_ENV, choice, tile_kernel(ops))
             choice = "pdserve"
         if choice == "pdserve" and ops is not None:
             self.model.pack_cpu_linears("panels", ops)

@@ -5,9 +5,10 @@ Decode reads each sequence's keys and values in place from the paged cache, one 
 layer (a memcpy per token, slots checked once) instead of the reference's masking and two
 index_copy_ calls. A float32 prefill is blocked matmuls with the softmax between them
 (kernels/csrc/cpu_prefill.cpp: 1.3-1.5x torch's SDPA on a 2-core AVX2 EPYC). A bfloat16 prefill
-runs on AMX tiles where the CPU has AMX and the head size is a multiple of 32
-(kernels/csrc/cpu_prefill_tiles.cpp: on a 2-core Sapphire Rapids 1.2x SDPA at 256 tokens and
-1.6x at 1,024); elsewhere it stays on SDPA, whose oneDNN kernels use AVX512-BF16 where it exists.
+runs on bfloat16 tiles where the head size is a multiple of 32 and the CPU has AMX or
+AVX512-BF16 (kernels/csrc/cpu_prefill_tiles.cpp: on a 2-core Sapphire Rapids 1.2x SDPA at 256
+tokens and 1.6x at 1,024 on AMX; on a 2-core Zen 4 with VDPBF16PS, 8-20x SDPA's bfloat16
+kernels there); elsewhere it stays on SDPA.
 Dtypes other than float32 and bfloat16, or a cache whose dtype differs from q's, fall back to
 the reference.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.kernels.cpu_linear import tiles_run
 from pdserve.kernels.interface import check_shapes
 from pdserve.kernels.reference import ReferenceBackend
 
@@ -27,8 +29,9 @@ class CpuBackend(ReferenceBackend):
 
     def __init__(self, ops: object) -> None:
         self.ops = ops
-        # The bfloat16 prefill kernel's tiles are only fast on AMX (elsewhere they are emulated).
-        self.amx_prefill = bool(getattr(ops, "prefill_attention_uses_amx", lambda: False)())
+        # The bfloat16 prefill kernel's tiles are fast on AMX and on AVX512-BF16 (elsewhere a
+        # portable loop emulates them).
+        self.tiled_prefill = tiles_run(ops)
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         if not computes(key, value, k_cache):
@@ -41,9 +44,9 @@ class CpuBackend(ReferenceBackend):
         return self.ops.prefill_attention(q, k, v, offset, float(scale))  # type: ignore[attr-defined]
 
     def compiles_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
-        """float32 always; bfloat16 where it runs on the AMX tiles: the CPU has them and the head
+        """float32 always; bfloat16 where its tiles run natively (AMX or AVX512-BF16) and the head
         size is whole tile rows (32 bfloat16)."""
-        return dtype == torch.float32 or (dtype == torch.bfloat16 and self.amx_prefill and head_dim % 32 == 0)
+        return dtype == torch.float32 or (dtype == torch.bfloat16 and self.tiled_prefill and head_dim % 32 == 0)
 
     def decode_attention(self, q, k_cache, v_cache, seq_lens, block_tables, scale) -> torch.Tensor:
         check_shapes(q, k_cache, v_cache)

@@ -3,9 +3,11 @@
 - Panels (kernels/csrc/cpu_linear.cpp): W [N, K] packed once, at load, into panels of 24 output
   columns, [ceil(N/24), K, 24], the last one zero-padded: each panel then streams front to back
   while the kernel multiplies it with a block of rows of x. float32 and bfloat16.
-- AMX tiles (kernels/csrc/cpu_linear_tiles.cpp): bfloat16 W [N, K] packed into
-  [ceil(N/32), K/32, 2, 16, 32], the pair-interleaved "B" tiles TDPBF16PS reads, a group of 32
-  output columns' tiles in K order. K must be a multiple of 32.
+- Tiles (kernels/csrc/cpu_linear_tiles.cpp): bfloat16 W [N, K] packed into
+  [ceil(N/32), K/32, 2, 16, 32], the pair-interleaved "B" tiles AMX's TDPBF16PS reads, a group of
+  32 output columns' tiles in K order. K must be a multiple of 32. Where there is no AMX but
+  AVX512-BF16 (Zen 4), VDPBF16PS reads the same layout: each tile row is one zmm of 16 column
+  pairs.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 
 PANEL = 24
-TILE_GROUP = 32  # output columns per group of AMX tiles
+TILE_GROUP = 32  # output columns per group of tiles
 TILE_STEP = 32  # K per tile row (32 bfloat16 = 64 bytes)
 # Up to this many rows the tiles run (decode steps, small prefills); above it oneDNN's packed
 # matmul, where it is there too. On a 2-core Sapphire Rapids, over SmolLM2's projections: tiles
@@ -21,7 +23,9 @@ TILE_STEP = 32  # K per tile row (32 bfloat16 = 64 bytes)
 # 0.7-0.8x at 2,048-8,192 rows, where oneDNN's cache blocking keeps its AMX tiles fed from L1 and
 # ours load from L2. With SiLU-mul applied in the tile gate/up projection (no separate pass),
 # whole prefills in the engine: 256 tokens 72-74 -> 65-66 ms on tiles, 384 tokens 91-93 -> 86,
-# 512 tokens even (113-116 either way).
+# 512 tokens even (113-116 either way). On a 2-core Zen 4 (AVX512-BF16, no AMX) the VDPBF16PS
+# kernel against oneDNN on the same projections: 1.96x at 1 row, 1.26x at 8, 1.07x at 32-64,
+# 0.91-0.95x at 128-512.
 TILE_MAX_ROWS = 384
 
 
@@ -65,22 +69,28 @@ def linear_silu_mul(ops: object, x: torch.Tensor, panels: torch.Tensor, intermed
     return _rows_through(ops.linear_silu_mul, x, panels, intermediate)  # type: ignore[attr-defined]
 
 
-def amx_tiles_run(ops: object | None) -> bool:
-    """Whether the tile kernel runs on AMX here (compiled for it, and the OS granted the process
-    AMX's register state); elsewhere it runs a portable loop over the same layout, too slow to pick."""
-    return ops is not None and bool(ops.tile_linear_uses_amx())  # type: ignore[attr-defined]
+def tile_kernel(ops: object | None) -> str:
+    """What runs the tile kernels here: "amx"; "avx512_bf16" (VDPBF16PS over the same packed layout,
+    on CPUs with AVX512-BF16 and no AMX, such as Zen 4); "portable" (a plain loop that keeps the
+    layout tested everywhere, far too slow to pick); or "none" without the compiled ops."""
+    return "none" if ops is None else str(ops.tile_kernel())  # type: ignore[attr-defined]
+
+
+def tiles_run(ops: object | None) -> bool:
+    """Whether the tile kernels run on native bfloat16 instructions here (AMX or AVX512-BF16)."""
+    return tile_kernel(ops) in ("amx", "avx512_bf16")
 
 
 def tiles_fit(weight: torch.Tensor) -> bool:
-    """Whether the AMX tile kernel takes this weight: bfloat16 with K a multiple of 32."""
+    """Whether the tile kernel takes this weight: bfloat16 with K a multiple of 32."""
     return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % TILE_STEP == 0
 
 
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
-    """bfloat16 [N, K] (any strides) -> contiguous [ceil(N/32), K/32, 2, 16, 32] AMX tiles:
+    """bfloat16 [N, K] (any strides) -> contiguous [ceil(N/32), K/32, 2, 16, 32] tiles:
     element [g, s, t, r, 2c + j] = W[32g + 16t + c, 32s + 2r + j], columns past N zero."""
     if not tiles_fit(weight):
-        raise ValueError(f"AMX tiles take a bfloat16 [N, K] weight with K a multiple of {TILE_STEP}, "
+        raise ValueError(f"Tiles take a bfloat16 [N, K] weight with K a multiple of {TILE_STEP}, "
                          f"got {weight.dtype} {tuple(weight.shape)}")
     padded, groups = _padded(weight, TILE_GROUP)
     steps = weight.shape[1] // TILE_STEP
@@ -89,7 +99,8 @@ def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
 
 
 def tile_linear(ops: object, x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [..., K] -> [..., N] through the AMX tile kernel (bfloat16 CPU tensors)."""
+    """x [..., K] -> [..., N] through the tile kernel (bfloat16 CPU tensors): AMX, AVX512-BF16
+    or the portable loop, whichever tile_kernel names."""
     return _rows_through(ops.tile_linear, x, tiles, out_features)  # type: ignore[attr-defined]
 
 
@@ -100,7 +111,7 @@ def tiles_fuse_silu_mul(intermediate: int) -> bool:
 
 
 def tile_linear_silu_mul(ops: object, x: torch.Tensor, tiles: torch.Tensor, intermediate: int) -> torch.Tensor:
-    """silu(gate) * up of x [..., K] through the AMX tiles of a gate/up weight [2 I, K] (the
+    """silu(gate) * up of x [..., K] through the tiles of a gate/up weight [2 I, K] (the
     gate's I columns, then the up's), in one pass: -> [..., I], to the bit what tile_linear
     then silu_mul give. Needs tiles_fuse_silu_mul(I)."""
     return _rows_through(ops.tile_linear_silu_mul, x, tiles, intermediate)  # type: ignore[attr-defined]

@@ -102,7 +102,7 @@ class Linear(nn.Module):
         return x @ self.weight.t()
 
 
-CPU_LINEAR_ENV = "PDSERVE_CPU_LINEAR"  # auto (default), amx, pdserve, onednn or mkl
+CPU_LINEAR_ENV = "PDSERVE_CPU_LINEAR"  # auto (default), tiles (or its old name amx), pdserve, onednn or mkl
 
 
 def onednn_linear_available(dtype: torch.dtype) -> bool:

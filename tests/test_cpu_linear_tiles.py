@@ -38,8 +38,12 @@ def test_only_bfloat16_weights_with_k_a_multiple_of_32_pack_into_tiles():
         cpu_linear.pack_tiles(torch.zeros(8, 48, dtype=torch.bfloat16))
 
 
-def test_the_kernel_runs_on_amx_exactly_where_the_cpu_has_it(ops):
-    assert cpu_linear.amx_tiles_run(ops) == ({"amx_tile", "amx_bf16"} <= cpu_flags())
+def test_the_kernel_runs_on_amx_where_the_cpu_has_it_else_on_avx512_bf16_else_the_portable_loop(ops):
+    flags = cpu_flags()
+    expected = "amx" if {"amx_tile", "amx_bf16"} <= flags else "avx512_bf16" if "avx512_bf16" in flags else "portable"
+    assert cpu_linear.tile_kernel(ops) == expected
+    assert cpu_linear.tiles_run(ops) == (expected != "portable")
+    assert cpu_linear.tile_kernel(None) == "none" and not cpu_linear.tiles_run(None)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 5, 16, 17, 32, 33, 70, 300])  # 300 x 1024: two L2 row blocks
@@ -189,14 +193,14 @@ def greedy(tiny, dtype, steps=10):
     return engine, greedy_tokens(engine, PROMPTS, steps)
 
 
-def test_auto_takes_the_tiles_for_bfloat16_where_amx_runs_and_they_agree_with_the_pytorch_layers(tiny, monkeypatch):
-    """With AMX reported (on a CPU without it, the portable loop computes the same layout), `auto`
+def test_auto_takes_the_tiles_for_bfloat16_where_they_run_and_they_agree_with_the_pytorch_layers(tiny, monkeypatch):
+    """With the tiles reported native (on a CPU without AMX or AVX512-BF16, the portable loop computes the same layout), `auto`
     packs every linear into tiles in bfloat16; decode steps go through the compiled layers on the
     tiles, and tokens and KV cache equal those of the PyTorch layers on the same tiles."""
     monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
-    monkeypatch.setattr(runner_module, "amx_tiles_run", lambda ops: ops is not None)
+    monkeypatch.setattr(runner_module, "tiles_run", lambda ops: ops is not None)
     compiled, out = greedy(tiny, "bfloat16")
-    assert compiled.runner.cpu_linear == "amx" and compiled.runner.compiled_layers
+    assert compiled.runner.cpu_linear == "tiles" and compiled.runner.compiled_layers
     lins = [m for m in compiled.runner.model.modules() if isinstance(m, Linear)]
     onednn = onednn_linear_available(torch.bfloat16)  # kept for large prefills where it is there
     assert all(m.tiles is not None and m.panels is None and (m.packed is not None) == onednn for m in lins)
@@ -210,17 +214,18 @@ def test_auto_takes_the_tiles_for_bfloat16_where_amx_runs_and_they_agree_with_th
 
 def test_auto_keeps_float32_off_the_tiles(tiny, monkeypatch):
     monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
-    monkeypatch.setattr(runner_module, "amx_tiles_run", lambda ops: ops is not None)
+    monkeypatch.setattr(runner_module, "tiles_run", lambda ops: ops is not None)
     engine, out = greedy(tiny, "float32", steps=3)
     assert engine.runner.cpu_linear in ("pdserve", "onednn")
     assert all(len(v) == 3 for v in out.values())
 
 
-def test_asking_for_amx_where_it_cannot_run_falls_back_with_a_warning(tiny, monkeypatch, caplog):
-    monkeypatch.setenv(CPU_LINEAR_ENV, "amx")
-    monkeypatch.setattr(runner_module, "amx_tiles_run", lambda ops: False)
+@pytest.mark.parametrize("name", ["tiles", "amx"])
+def test_asking_for_the_tiles_where_they_cannot_run_falls_back_with_a_warning(tiny, monkeypatch, caplog, name):
+    monkeypatch.setenv(CPU_LINEAR_ENV, name)
+    monkeypatch.setattr(runner_module, "tiles_run", lambda ops: False)
     with caplog.at_level("WARNING"):
         engine, out = greedy(tiny, "bfloat16", steps=3)
     assert engine.runner.cpu_linear == "pdserve"
-    assert "PDSERVE_CPU_LINEAR=amx" in caplog.text
+    assert f"PDSERVE_CPU_LINEAR={name}" in caplog.text
     assert all(len(v) == 3 for v in out.values())

@@ -193,7 +193,7 @@ def test_bfloat16_prefill_on_tiles_is_attention_within_bfloat16_rounding(backend
     case = make_case([1, 5, 32, 33, 70, 3], [0, 0, 0, 17, 40, 100], num_kv_heads=2, group=group,
                      head_dim=head_dim, block_size=16, dtype=torch.bfloat16, seed=7)
     tiles = CpuBackend(backend.ops)
-    tiles.amx_prefill = True  # the kernel on this CPU too, emulated where it has no AMX
+    tiles.tiled_prefill = True  # the kernel on this CPU too, emulated where it has no AMX or AVX512-BF16
     torch.testing.assert_close(run_prefill(case, tiles).double(), oracle(case), atol=2e-2, rtol=2e-2)
 
 
@@ -207,10 +207,10 @@ def test_bfloat16_prefill_on_tiles_matches_sdpa_on_the_models_shapes(backend):
     torch.testing.assert_close(ours.float(), sdpa.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize(("amx", "head_dim", "tiles"), [(True, 64, True), (True, 16, False), (False, 64, False)])
-def test_bfloat16_prefill_runs_on_tiles_only_where_amx_runs_them(backend, monkeypatch, amx, head_dim, tiles):
-    """The tile kernel takes a bfloat16 prefill where the CPU has AMX and the head size is whole
-    tile rows; elsewhere SDPA (oneDNN's AVX512-BF16 kernels) does."""
+@pytest.mark.parametrize(("native", "head_dim", "tiles"), [(True, 64, True), (True, 16, False), (False, 64, False)])
+def test_bfloat16_prefill_runs_on_tiles_only_where_they_run_natively(backend, monkeypatch, native, head_dim, tiles):
+    """The tile kernel takes a bfloat16 prefill where the CPU runs the tiles natively (AMX or
+    AVX512-BF16) and the head size is whole tile rows; elsewhere SDPA does."""
     case = make_case([20], [0], num_kv_heads=2, group=3, head_dim=head_dim, block_size=16, dtype=torch.bfloat16, seed=2)
     calls = []
 
@@ -219,7 +219,7 @@ def test_bfloat16_prefill_runs_on_tiles_only_where_amx_runs_them(backend, monkey
         return backend.ops.prefill_attention(*args)
 
     patched = CpuBackend(backend.ops)
-    patched.amx_prefill = amx
+    patched.tiled_prefill = native
     monkeypatch.setattr(patched, "ops", type("Ops", (), {"prefill_attention": staticmethod(tile_kernel)})())
     out = run_prefill(case, patched)
     assert bool(calls) == tiles
@@ -514,17 +514,17 @@ def test_compiled_layers_run_prompts_chunks_prefixes_and_mixed_steps_as_the_pyto
 
 
 def test_a_bfloat16_compiled_decoder_layer_matches_the_pytorch_layers(tiny, monkeypatch):
-    """bfloat16 with the linear `auto` picks on this CPU (AMX tiles where AMX runs, oneDNN where
-    oneDNN computes bfloat16, our panels elsewhere): the same tokens and KV cache as the PyTorch
-    layers, op for op."""
-    from pdserve.kernels.cpu_linear import amx_tiles_run
+    """bfloat16 with the linear `auto` picks on this CPU (the tiles where AMX or AVX512-BF16 runs
+    them, oneDNN where oneDNN computes bfloat16, our panels elsewhere): the same tokens and KV
+    cache as the PyTorch layers, op for op."""
+    from pdserve.kernels.cpu_linear import tiles_run
     from pdserve.model.llama import CPU_LINEAR_ENV, onednn_linear_available
 
     monkeypatch.delenv("PDSERVE_CPU_FUSED", raising=False)
     monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
     engines, outs = lockstep_compiled_and_pytorch_layers(tiny, "bfloat16", max_tokens=6)
-    if amx_tiles_run(engines[0].runner.compiled_ops):
-        picked = "amx"
+    if tiles_run(engines[0].runner.compiled_ops):
+        picked = "tiles"
     else:
         picked = "onednn" if onednn_linear_available(torch.bfloat16) else "pdserve"
     assert all(e.runner.cpu_linear == picked for e in engines)

@@ -50,4 +50,24 @@ inline bool ready() { return false; }
 
 #endif
 
+// Without AMX, a CPU with AVX512-BF16 (Zen 4, Cooper Lake) computes the same products from the
+// same packed layout with VDPBF16PS: a row of a "B" tile (16 columns by a pair of k) is one 512-bit
+// register, which the instruction multiplies by a broadcast pair of x and adds into 16 float32
+// lanes. The tile kernels then run on it at full speed instead of through their portable loops.
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define PDSERVE_AVX512_BF16 1
+#include <immintrin.h>
+#endif
+
+// Which instructions run the tile kernels in this build and process: "amx", "avx512_bf16" or
+// "portable" (a plain loop that keeps the layouts tested everywhere, far too slow to pick).
+inline const char* tile_kernel() {
+  if (ready()) return "amx";
+#if defined(PDSERVE_AVX512_BF16)
+  return "avx512_bf16";
+#else
+  return "portable";
+#endif
+}
+
 }  // namespace pdserve_amx

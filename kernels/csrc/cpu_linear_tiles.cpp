@@ -29,6 +29,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <string>
 #include <type_traits>
 
 namespace {
@@ -125,6 +127,74 @@ struct AmxChunks {
 
 #endif
 
+#if defined(PDSERVE_AVX512_BF16)
+
+// R rows of x (R <= 8) times one group, into acc rows [R, 32], with VDPBF16PS: for each pair of k,
+// the two B tiles' rows (16 columns each) are two registers, each row's pair of x is broadcast,
+// and 2R float32 accumulators stay in registers over the whole of K. A weight register feeds R
+// rows; at R = 8 there are 16 independent chains, enough to hide the instruction's latency.
+template <int R, bool Prefetch>
+void rows_by_group(const bf16* x, int64_t ldx, const bf16* w, int64_t steps, float* acc) {
+  constexpr int64_t kAhead = 4 * kStepElems;
+  __m512 c[R][2];
+  for (int m = 0; m < R; ++m) c[m][0] = c[m][1] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < steps; ++s) {
+    const bf16* b = w + s * kStepElems;
+    if (Prefetch) {
+      for (int line = 0; line < 32; ++line) _mm_prefetch(reinterpret_cast<const char*>(b + kAhead + line * 32), _MM_HINT_T0);
+    }
+    const bf16* xs = x + s * kStep;
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + r * 32));
+      const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + kStepElems / 2 + r * 32));
+#pragma GCC unroll 8
+      for (int m = 0; m < R; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, xs + m * ldx + 2 * r, sizeof pair);
+        const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        c[m][0] = _mm512_dpbf16_ps(c[m][0], a, w0);
+        c[m][1] = _mm512_dpbf16_ps(c[m][1], a, w1);
+      }
+    }
+  }
+  for (int m = 0; m < R; ++m) {
+    _mm512_store_ps(acc + m * kGroup, c[m][0]);
+    _mm512_store_ps(acc + m * kGroup + 16, c[m][1]);
+  }
+}
+
+template <bool Prefetch>
+void rows_by_group_any(int rows, const bf16* x, int64_t ldx, const bf16* w, int64_t steps, float* acc) {
+  switch (rows) {
+    case 1: return rows_by_group<1, Prefetch>(x, ldx, w, steps, acc);
+    case 2: return rows_by_group<2, Prefetch>(x, ldx, w, steps, acc);
+    case 3: return rows_by_group<3, Prefetch>(x, ldx, w, steps, acc);
+    case 4: return rows_by_group<4, Prefetch>(x, ldx, w, steps, acc);
+    case 5: return rows_by_group<5, Prefetch>(x, ldx, w, steps, acc);
+    case 6: return rows_by_group<6, Prefetch>(x, ldx, w, steps, acc);
+    case 7: return rows_by_group<7, Prefetch>(x, ldx, w, steps, acc);
+    default: return rows_by_group<8, Prefetch>(x, ldx, w, steps, acc);
+  }
+}
+
+// One thread's multiplies with VDPBF16PS: a chunk's rows in blocks of 8. The block that reads
+// the group's weight from memory prefetches it, as the AMX path does; the others find it in L2.
+struct Avx512Bf16Chunks {
+  void operator()(const bf16* x, int64_t ldx, int rows, const bf16* w, int64_t steps, bool from_memory, float* acc) const {
+    for (int m = 0; m < rows; m += 8) {
+      const int n = std::min(8, rows - m);
+      if (from_memory && m == 0) {
+        rows_by_group_any<true>(n, x + m * ldx, ldx, w, steps, acc + m * kGroup);
+      } else {
+        rows_by_group_any<false>(n, x + m * ldx, ldx, w, steps, acc + m * kGroup);
+      }
+    }
+  }
+};
+
+#endif
+
 // The same layout without tiles: what TDPBF16PS computes, one row of x at a time.
 struct PortableChunks {
   void operator()(const bf16* x, int64_t ldx, int rows, const bf16* w, int64_t steps, bool, float* acc) const {
@@ -173,13 +243,17 @@ void by_row_blocks(int64_t rows, int64_t steps, int64_t units, const PerChunk& p
 }
 
 // run(std::type_identity<Chunks>{}) with the multiplier this process uses: AMX tiles where they
-// run, else the portable loop.
+// run, else VDPBF16PS where the CPU has AVX512-BF16, else the portable loop.
 template <typename Run>
 void with_chunks(const Run& run) {
 #if defined(PDSERVE_AMX)
   if (pdserve_amx::ready()) return run(std::type_identity<AmxChunks>{});
 #endif
+#if defined(PDSERVE_AVX512_BF16)
+  run(std::type_identity<Avx512Bf16Chunks>{});
+#else
   run(std::type_identity<PortableChunks>{});
+#endif
 }
 
 }  // namespace
@@ -187,6 +261,8 @@ void with_chunks(const Run& run) {
 namespace pdserve_cpu {
 
 bool tile_linear_uses_amx() { return pdserve_amx::ready(); }
+
+std::string tile_kernel() { return pdserve_amx::tile_kernel(); }
 
 namespace {
 
@@ -270,6 +346,7 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("tile_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("tile_linear_silu_mul(Tensor x, Tensor packed, int intermediate) -> Tensor");
   m.def("tile_linear_uses_amx() -> bool", &pdserve_cpu::tile_linear_uses_amx);
+  m.def("tile_kernel() -> str", &pdserve_cpu::tile_kernel);
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {

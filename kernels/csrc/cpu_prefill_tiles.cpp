@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 
 namespace {
@@ -91,6 +92,45 @@ struct AmxTiles {
     if constexpr (T == 1) _tile_stored(1, p, stride);
     if constexpr (T == 2) _tile_stored(2, p, stride);
     if constexpr (T == 3) _tile_stored(3, p, stride);
+  }
+};
+#endif
+
+#if defined(PDSERVE_AVX512_BF16)
+// The tiles with VDPBF16PS (a CPU with AVX512-BF16 and no AMX): the operands stay where they lie
+// (a load keeps the address), the four accumulators are 16 x 16 float32 in memory (L1), and a
+// product keeps the B tile's 16 rows in registers while 8 rows of A at a time are broadcast pair by
+// pair into 8 accumulators: 16 independent chains of the instruction per B row.
+struct Avx512Bf16Tiles {
+  alignas(64) float acc[4][16 * 16];
+  const bf16* operand[8] = {};
+  int64_t ld[8] = {};
+  template <int T> void zero() { std::fill(acc[T], acc[T] + 16 * 16, 0.f); }
+  template <int T> void load(const bf16* p, int64_t stride) {
+    operand[T] = p;
+    ld[T] = stride;
+  }
+  template <int C, int A, int B> void dot() {
+    __m512bh b[16];
+    for (int r = 0; r < 16; ++r) b[r] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(operand[B] + r * ld[B]));
+    for (int m0 = 0; m0 < 16; m0 += 8) {
+      __m512 c[8];
+      for (int i = 0; i < 8; ++i) c[i] = _mm512_load_ps(acc[C] + (m0 + i) * 16);
+      const bf16* a = operand[A] + m0 * ld[A];
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) {
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          int32_t pair;
+          std::memcpy(&pair, a + i * ld[A] + 2 * r, sizeof pair);
+          c[i] = _mm512_dpbf16_ps(c[i], reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair)), b[r]);
+        }
+      }
+      for (int i = 0; i < 8; ++i) _mm512_store_ps(acc[C] + (m0 + i) * 16, c[i]);
+    }
+  }
+  template <int T> void store(float* p, int64_t stride) {
+    for (int r = 0; r < 16; ++r) _mm512_storeu_ps(p + r * stride, _mm512_load_ps(acc[T] + r * 16));
   }
 };
 #endif
@@ -314,7 +354,11 @@ at::Tensor prefill_attention_tiles(const at::Tensor& q, const at::Tensor& key, c
     return out;
   }
 #endif
+#if defined(PDSERVE_AVX512_BF16)
+  prefill_on_tiles<Avx512Bf16Tiles>(q, key, value, offset, static_cast<float>(scale), out);
+#else
   prefill_on_tiles<PortableTiles>(q, key, value, offset, static_cast<float>(scale), out);
+#endif
   return out;
 }
 
