@@ -27,6 +27,15 @@ TILE_STEP = 32  # K per tile row (32 bfloat16 = 64 bytes)
 # kernel against oneDNN on the same projections: 1.96x at 1 row, 1.26x at 8, 1.07x at 32-64,
 # 0.91-0.95x at 128-512.
 TILE_MAX_ROWS = 384
+# With the weights streaming from memory (a whole model's projections, as a decode step reads
+# them) the VDPBF16PS kernel on that Zen 4 runs 1.27x oneDNN at 1 row and 1.6x at 2, but
+# 0.95x at 3-4 and 0.83-0.92x from 8 to 64 rows: there, it takes only steps of up to 2 rows.
+AVX512_BF16_TILE_MAX_ROWS = 2
+
+
+def tile_max_rows(ops: object) -> int:
+    """Up to how many rows a step runs on the tiles here where oneDNN's copy is there too."""
+    return AVX512_BF16_TILE_MAX_ROWS if tile_kernel(ops) == "avx512_bf16" else TILE_MAX_ROWS
 
 
 def _padded(weight: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:

@@ -157,7 +157,8 @@ def test_steps_of_more_than_tile_max_rows_go_to_onednn_where_it_is_there_and_the
     calls: list[int] = []
     real = cpu_linear.tile_linear
     monkeypatch.setattr(cpu_linear, "tile_linear", lambda *a: calls.append(a[1].shape[0]) or real(*a))
-    limit = cpu_linear.TILE_MAX_ROWS
+    limit = lin.tile_max_rows
+    assert limit == cpu_linear.tile_max_rows(ops)
     sizes = (1, limit, limit + 1, 3 * limit)
     with torch.inference_mode():
         for rows in sizes:
