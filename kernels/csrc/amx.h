@@ -15,6 +15,17 @@
 #include <unistd.h>
 #endif
 
+// Without AMX, a CPU with AVX512-BF16 (Zen 4, Cooper Lake) computes the same products from the
+// same packed layout with VDPBF16PS: a row of a "B" tile (16 columns by a pair of k) is one 512-bit
+// register, which the instruction multiplies by a broadcast pair of x and adds into 16 float32
+// lanes. The tile kernels then run on it at full speed instead of through their portable loops.
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define PDSERVE_AVX512_BF16 1
+#include <immintrin.h>
+
+#include <cstring>
+#endif
+
 namespace pdserve_amx {
 
 #if defined(PDSERVE_AMX)
@@ -50,13 +61,13 @@ inline bool ready() { return false; }
 
 #endif
 
-// Without AMX, a CPU with AVX512-BF16 (Zen 4, Cooper Lake) computes the same products from the
-// same packed layout with VDPBF16PS: a row of a "B" tile (16 columns by a pair of k) is one 512-bit
-// register, which the instruction multiplies by a broadcast pair of x and adds into 16 float32
-// lanes. The tile kernels then run on it at full speed instead of through their portable loops.
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#define PDSERVE_AVX512_BF16 1
-#include <immintrin.h>
+#if defined(PDSERVE_AVX512_BF16)
+// The pair of bfloat16 at p in all 16 lanes: the "A" side of a VDPBF16PS product.
+inline __m512bh broadcast_pair(const void* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof pair);
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+}
 #endif
 
 // Which instructions run the tile kernels in this build and process: "amx", "avx512_bf16" or

@@ -114,20 +114,23 @@ template <int G, typename T, typename Dot>
 void scores(const Dot& dot, const T* kp, const T* vp, const int64_t* rows, int64_t ctx, int64_t heads, float scale,
             float* scores) {
   const int64_t d = dot.d, slot_bytes = heads * d * static_cast<int64_t>(sizeof(T));
+  // Each of the tile's heads * kLanes products prefetches `per` lines of one of the next tile's
+  // slots (its keys' lines, then its values'): slot s's part p goes with product s * heads + p.
+  const int64_t lines = (slot_bytes + 63) / 64, per = (2 * lines + heads - 1) / heads;
   __m512 partial[G][kLanes];
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t pos0 = 0; pos0 < ctx; pos0 += kLanes) {
     const int64_t n = ctx - pos0 < kLanes ? ctx - pos0 : kLanes;
+    int64_t ahead = pos0 + kAhead, part = 0;  // the slot and part the next product prefetches
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t step = h * kLanes + j, ahead = pos0 + kAhead + step / heads;
-        if (ahead < ctx) {  // a heads-th of one of the next tile's slots: its keys' lines, then its values'
-          const int64_t lines = (slot_bytes + 63) / 64, part = step % heads;
+        if (ahead < ctx) {
           const char* k_at = reinterpret_cast<const char*>(kp + rows[ahead]);
           const char* v_at = reinterpret_cast<const char*>(vp + rows[ahead]);
-          for (int64_t l = part * 2 * lines / heads; l < (part + 1) * 2 * lines / heads; ++l)
+          for (int64_t l = part * per; l < std::min(2 * lines, (part + 1) * per); ++l)
             _mm_prefetch(l < lines ? k_at + 64 * l : v_at + 64 * (l - lines), _MM_HINT_T1);
         }
+        if (++part == heads) part = 0, ++ahead;
         __m512 out[G];
         dot(h, kp + rows[pos0 + j] + h * d, out);
         for (int g = 0; g < G; ++g) partial[g][j] = out[g];

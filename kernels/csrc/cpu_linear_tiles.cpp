@@ -14,9 +14,9 @@
 // tensors (about 24 GB/s there). A decode step at batch 1-32 is bound by that read.
 //
 // Where the compiler offers no AMX (-march=native on a CPU without it) or the kernel refuses the
-// process AMX's register state (amx.h), the same layout runs through a portable loop: slow, and
-// never chosen by the runner (`tile_linear_uses_amx`), but it keeps the layout and the chunking
-// tested on every machine against the oracle x @ W.T.
+// process AMX's register state (amx.h), the same layout runs on VDPBF16PS where the CPU has
+// AVX512-BF16, else through a portable loop: slow, and never chosen by the runner (`tile_kernel`),
+// but it keeps the layout and the chunking tested on every machine against the oracle x @ W.T.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,7 +29,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -150,9 +149,7 @@ void rows_by_group(const bf16* x, int64_t ldx, const bf16* w, int64_t steps, flo
       const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + kStepElems / 2 + r * 32));
 #pragma GCC unroll 8
       for (int m = 0; m < R; ++m) {
-        int32_t pair;
-        std::memcpy(&pair, xs + m * ldx + 2 * r, sizeof pair);
-        const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        const __m512bh a = pdserve_amx::broadcast_pair(xs + m * ldx + 2 * r);
         c[m][0] = _mm512_dpbf16_ps(c[m][0], a, w0);
         c[m][1] = _mm512_dpbf16_ps(c[m][1], a, w1);
       }
@@ -184,11 +181,8 @@ struct Avx512Bf16Chunks {
   void operator()(const bf16* x, int64_t ldx, int rows, const bf16* w, int64_t steps, bool from_memory, float* acc) const {
     for (int m = 0; m < rows; m += 8) {
       const int n = std::min(8, rows - m);
-      if (from_memory && m == 0) {
-        rows_by_group_any<true>(n, x + m * ldx, ldx, w, steps, acc + m * kGroup);
-      } else {
-        rows_by_group_any<false>(n, x + m * ldx, ldx, w, steps, acc + m * kGroup);
-      }
+      const auto block = from_memory && m == 0 ? rows_by_group_any<true> : rows_by_group_any<false>;
+      block(n, x + m * ldx, ldx, w, steps, acc + m * kGroup);
     }
   }
 };
@@ -345,7 +339,6 @@ at::Tensor tile_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("tile_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("tile_linear_silu_mul(Tensor x, Tensor packed, int intermediate) -> Tensor");
-  m.def("tile_linear_uses_amx() -> bool", &pdserve_cpu::tile_linear_uses_amx);
   m.def("tile_kernel() -> str", &pdserve_cpu::tile_kernel);
 }
 

@@ -18,9 +18,9 @@
 // 1,024.
 //
 // Where the build has no AMX, or Linux refuses the process the tile state (amx.h), the same layout
-// runs through a portable emulation of the tile instructions: slow and never chosen by the backend
-// (`prefill_attention_uses_amx`), but it keeps the packing and the chunking tested on every machine
-// against the SDPA oracle.
+// runs on VDPBF16PS where the CPU has AVX512-BF16, else through a portable emulation of the tile
+// instructions: slow and never chosen by the backend (`tile_kernel`), but it keeps the packing and
+// the chunking tested on every machine against the SDPA oracle.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,7 +33,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 
 namespace {
@@ -121,9 +120,7 @@ struct Avx512Bf16Tiles {
       for (int r = 0; r < 16; ++r) {
 #pragma GCC unroll 8
         for (int i = 0; i < 8; ++i) {
-          int32_t pair;
-          std::memcpy(&pair, a + i * ld[A] + 2 * r, sizeof pair);
-          c[i] = _mm512_dpbf16_ps(c[i], reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair)), b[r]);
+          c[i] = _mm512_dpbf16_ps(c[i], pdserve_amx::broadcast_pair(a + i * ld[A] + 2 * r), b[r]);
         }
       }
       for (int i = 0; i < 8; ++i) _mm512_store_ps(acc[C] + (m0 + i) * 16, c[i]);
@@ -340,8 +337,6 @@ void prefill_on_tiles(const at::Tensor& q, const at::Tensor& key, const at::Tens
 
 namespace pdserve_cpu {
 
-bool prefill_attention_uses_amx() { return pdserve_amx::ready(); }
-
 at::Tensor prefill_attention_tiles(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value, int64_t offset,
                                    double scale) {
   TORCH_CHECK(q.size(2) % kStep == 0, "pdserve_cpu.prefill_attention in bfloat16 takes head sizes that are multiples of ",
@@ -363,7 +358,3 @@ at::Tensor prefill_attention_tiles(const at::Tensor& q, const at::Tensor& key, c
 }
 
 }  // namespace pdserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
-  m.def("prefill_attention_uses_amx() -> bool", &pdserve_cpu::prefill_attention_uses_amx);
-}

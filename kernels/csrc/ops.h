@@ -60,7 +60,7 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
 at::Tensor tile_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate);
 // Whether tile_linear_silu_mul takes this packed weight and intermediate size.
 bool tile_fuses_silu_mul(const at::Tensor& packed, int64_t intermediate);
-// Whether this build and process run the tiles on AMX (amx.h).
+// Whether this build and process run the tiles on AMX (amx.h); onednn_linear asks.
 bool tile_linear_uses_amx();
 // What runs the tile kernels here: "amx", "avx512_bf16" or "portable" (amx.h).
 std::string tile_kernel();
