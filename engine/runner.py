@@ -98,8 +98,8 @@ class ModelRunner:
         """Pick and pack the CPU matmul (PDSERVE_CPU_LINEAR): the bfloat16 tile kernel, the compiled
         panel kernel, oneDNN's packed matmul, or MKL on the plain weight. `auto` takes the tiles for
         bfloat16 where they run natively: on AMX (on a Sapphire Rapids they read decode steps'
-        weights 1.4-1.6x faster than oneDNN) or with AVX512-BF16 (on a Zen 4, 1.3-1.6x oneDNN at
-        1-2 rows, the steps they take there: cpu_linear.tile_max_rows); else oneDNN on CPUs with AVX-512 (its kernels use 512-bit vectors, where our
+        weights 1.4-1.6x faster than oneDNN) or with AVX512-BF16 (on a Zen 4, 1.5x oneDNN from 1 to 8
+        rows, 1.15-1.3x at 16-32); else oneDNN on CPUs with AVX-512 (its kernels use 512-bit vectors, where our
         panel kernel is 8 wide: on a Sapphire Rapids it ran a float32 prefill of 1,024 tokens 1.5x
         faster) and for bfloat16 wherever oneDNN computes it; the compiled panel kernel elsewhere
         (AVX2: 1.2-1.9x oneDNN at decode sizes) when it built. A choice this machine cannot run
@@ -114,7 +114,7 @@ class ModelRunner:
             prefer_onednn = self.dtype == torch.bfloat16 or cpu_has_avx512()
             choice = "tiles" if tiles else "onednn" if (onednn and prefer_onednn) or ops is None else "pdserve"
         if choice in ("tiles", "amx"):
-            if tiles:  # and oneDNN's packing for the larger steps, where it is faster (cpu_linear.tile_max_rows)
+            if tiles:  # and oneDNN's packing for the larger steps, where it is faster (cpu_linear.TILE_MAX_ROWS)
                 self.model.pack_cpu_linears("tiles+onednn" if onednn else "tiles", ops)
                 log.info("CPU linears: bfloat16 tiles on %s", tile_kernel(ops))
                 return "tiles"

@@ -4,8 +4,8 @@
   columns, [ceil(N/24), K, 24], the last one zero-padded: each panel then streams front to back
   while the kernel multiplies it with a block of rows of x. float32 and bfloat16.
 - Tiles (kernels/csrc/cpu_linear_tiles.cpp): bfloat16 W [N, K] packed into
-  [ceil(N/32), K/32, 2, 16, 32], the pair-interleaved "B" tiles AMX's TDPBF16PS reads, a group of
-  32 output columns' tiles in K order. K must be a multiple of 32. Where there is no AMX but
+  [ceil(N/32), K/32, 16, 2, 32], the pair-interleaved "B" tiles AMX's TDPBF16PS reads (the two
+  of a step with their rows interleaved), a group of 32 output columns' tiles in K order. K must be a multiple of 32. Where there is no AMX but
   AVX512-BF16 (Zen 4), VDPBF16PS reads the same layout: each tile row is one zmm of 16 column
   pairs.
 """
@@ -23,19 +23,10 @@ TILE_STEP = 32  # K per tile row (32 bfloat16 = 64 bytes)
 # 0.7-0.8x at 2,048-8,192 rows, where oneDNN's cache blocking keeps its AMX tiles fed from L1 and
 # ours load from L2. With SiLU-mul applied in the tile gate/up projection (no separate pass),
 # whole prefills in the engine: 256 tokens 72-74 -> 65-66 ms on tiles, 384 tokens 91-93 -> 86,
-# 512 tokens even (113-116 either way). On a 2-core Zen 4 (AVX512-BF16, no AMX) the VDPBF16PS
-# kernel against oneDNN on the same projections: 1.96x at 1 row, 1.26x at 8, 1.07x at 32-64,
-# 0.91-0.95x at 128-512.
+# 512 tokens even (113-116 either way). On a 2-core Zen 4 (AVX512-BF16, no AMX), the VDPBF16PS
+# kernel streaming all of SmolLM2's projections as a decode step reads them: 1.5x oneDNN at 1-8
+# rows, 1.15-1.3x at 16-32, 1.14x at 64, even (0.98-1.04x) from 128 to 1,024 rows.
 TILE_MAX_ROWS = 384
-# With the weights streaming from memory (a whole model's projections, as a decode step reads
-# them) the VDPBF16PS kernel on that Zen 4 runs 1.27x oneDNN at 1 row and 1.6x at 2, but
-# 0.95x at 3-4 and 0.83-0.92x from 8 to 64 rows: there, it takes only steps of up to 2 rows.
-AVX512_BF16_TILE_MAX_ROWS = 2
-
-
-def tile_max_rows(ops: object) -> int:
-    """Up to how many rows a step runs on the tiles here where oneDNN's copy is there too."""
-    return AVX512_BF16_TILE_MAX_ROWS if tile_kernel(ops) == "avx512_bf16" else TILE_MAX_ROWS
 
 
 def _padded(weight: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
@@ -96,15 +87,17 @@ def tiles_fit(weight: torch.Tensor) -> bool:
 
 
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
-    """bfloat16 [N, K] (any strides) -> contiguous [ceil(N/32), K/32, 2, 16, 32] tiles:
-    element [g, s, t, r, 2c + j] = W[32g + 16t + c, 32s + 2r + j], columns past N zero."""
+    """bfloat16 [N, K] (any strides) -> contiguous [ceil(N/32), K/32, 16, 2, 32] tiles:
+    element [g, s, r, t, 2c + j] = W[32g + 16t + c, 32s + 2r + j], columns past N zero. The two
+    B tiles of a step interleave their rows (t is the inner index): one row of each, 128 bytes,
+    is what a VDPBF16PS k pair reads, and AMX loads each tile with a 128-byte stride."""
     if not tiles_fit(weight):
         raise ValueError(f"Tiles take a bfloat16 [N, K] weight with K a multiple of {TILE_STEP}, "
                          f"got {weight.dtype} {tuple(weight.shape)}")
     padded, groups = _padded(weight, TILE_GROUP)
     steps = weight.shape[1] // TILE_STEP
-    tiles = padded.view(groups, 2, 16, steps, 16, 2).permute(0, 3, 1, 4, 2, 5)
-    return tiles.contiguous().view(groups, steps, 2, 16, 32)
+    tiles = padded.view(groups, 2, 16, steps, 16, 2).permute(0, 3, 4, 1, 2, 5)
+    return tiles.contiguous().view(groups, steps, 16, 2, 32)
 
 
 def tile_linear(ops: object, x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -37,8 +37,7 @@ class Linear(nn.Module):
     - `pack_tiles(ops)`: AMX tiles for the compiled tile kernel (kernels/csrc/cpu_linear_tiles.cpp),
       bfloat16 only; on a Sapphire Rapids it read the weights of decode steps 1.4-1.6x faster
       than oneDNN. With `onednn=True` the oneDNN copy is kept too, for steps of more than
-      `tile_max_rows` rows (cpu_linear.tile_max_rows: large prefills where AMX runs the tiles,
-      all but the smallest steps on AVX512-BF16), where oneDNN is faster.
+      cpu_linear.TILE_MAX_ROWS rows (large prefills), where oneDNN is faster.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -49,7 +48,6 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None
         self.tiles: torch.Tensor | None = None
-        self.tile_max_rows = cpu_linear.TILE_MAX_ROWS
         self.ops: object | None = None
 
     def pack_onednn(self, batch_hint: int = 64) -> None:
@@ -62,17 +60,16 @@ class Linear(nn.Module):
         self.ops = ops
 
     def pack_tiles(self, ops: object, onednn: bool = False) -> None:
-        """Keep a tile copy for torch.ops.pdserve_cpu.tile_linear, and with `onednn` a
-        oneDNN-packed one for steps of more than tile_max_rows rows (the weight itself stays)."""
+        """Keep an AMX-tile copy for torch.ops.pdserve_cpu.tile_linear, and with `onednn` a
+        oneDNN-packed one for large steps (the weight itself stays)."""
         self.tiles = cpu_linear.pack_tiles(self.weight.detach())
-        self.tile_max_rows = cpu_linear.tile_max_rows(ops)
         self.ops = ops
         if onednn:
             self.pack_onednn()
 
     @property
     def large_step_weight(self) -> torch.Tensor | None:
-        """The packed copy that steps of more than tile_max_rows rows read instead of
+        """The packed copy that steps of more than cpu_linear.TILE_MAX_ROWS rows read instead of
         compiled_weight, where there is one (oneDNN's beside AMX tiles), else None."""
         return self.packed if self.tiles is not None and self.packed is not None else None
 
@@ -88,7 +85,7 @@ class Linear(nn.Module):
     def tiles_for(self, x: torch.Tensor) -> torch.Tensor | None:
         """The AMX tiles when forward(x) runs on them, else None."""
         rows = x.numel() // x.shape[-1]
-        if self.packed is None or rows <= self.tile_max_rows:
+        if self.packed is None or rows <= cpu_linear.TILE_MAX_ROWS:
             return self.tiles
         return None
 
@@ -315,7 +312,6 @@ class CompiledLayers:
     large_weights: list[torch.Tensor]
     dims: tuple
     prefills: bool
-    tile_max_rows: int  # steps of more rows read large_weights, where there are any
 
 
 class LlamaForCausalLM(nn.Module):
@@ -342,7 +338,7 @@ class LlamaForCausalLM(nn.Module):
         c = self._compiled
         if c is not None and (c.prefills or meta.num_decode_tokens == x.shape[0]):
             return c.ops.decoder_layers_(  # type: ignore[attr-defined]
-                x, c.weights, c.large_weights, c.tile_max_rows, self.model.norm.weight, positions,
+                x, c.weights, c.large_weights, cpu_linear.TILE_MAX_ROWS, self.model.norm.weight, positions,
                 self.model.rotary.cos, self.model.rotary.sin, kv_cache, meta.slot_mapping, meta.num_decode_tokens,
                 meta.decode_seq_lens, meta.decode_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
                 meta.prefill_block_tables, *c.dims,
@@ -383,7 +379,7 @@ class LlamaForCausalLM(nn.Module):
         prefills = backend is not None and backend.compiles_prefill(self.lm_head.weight.dtype, dims[2])
         self._compiled = CompiledLayers(
             ops, [w for weights, _, _ in args for w in weights], [w for _, large, _ in args for w in large], dims,
-            prefills, self.lm_head.tile_max_rows,
+            prefills,
         )
 
     def pack_cpu_linears(self, layout: str, ops: object | None = None) -> int:

@@ -24,10 +24,10 @@ def test_tiles_interleave_pairs_along_k_for_each_group_of_32_columns():
     n, k = 40, 64
     w = torch.arange(n * k, dtype=torch.float32).view(n, k).bfloat16()
     tiles = cpu_linear.pack_tiles(w)
-    assert tiles.shape == (2, 2, 2, 16, 32) and tiles.is_contiguous()
+    assert tiles.shape == (2, 2, 16, 2, 32) and tiles.is_contiguous()
     for g, s, t, r, c, j in [(0, 0, 0, 0, 0, 0), (0, 1, 1, 5, 3, 1), (1, 0, 0, 7, 7, 1), (0, 1, 0, 15, 15, 0)]:
-        assert tiles[g, s, t, r, 2 * c + j] == w[32 * g + 16 * t + c, 32 * s + 2 * r + j]
-    assert not tiles[1, :, 0, :, 16:].any() and not tiles[1, :, 1].any(), "columns past N are zero"
+        assert tiles[g, s, r, t, 2 * c + j] == w[32 * g + 16 * t + c, 32 * s + 2 * r + j]
+    assert not tiles[1, :, :, 0, 16:].any() and not tiles[1, :, :, 1].any(), "columns past N are zero"
 
 
 def test_only_bfloat16_weights_with_k_a_multiple_of_32_pack_into_tiles():
@@ -157,8 +157,7 @@ def test_steps_of_more_than_tile_max_rows_go_to_onednn_where_it_is_there_and_the
     calls: list[int] = []
     real = cpu_linear.tile_linear
     monkeypatch.setattr(cpu_linear, "tile_linear", lambda *a: calls.append(a[1].shape[0]) or real(*a))
-    limit = lin.tile_max_rows
-    assert limit == cpu_linear.tile_max_rows(ops)
+    limit = cpu_linear.TILE_MAX_ROWS
     sizes = (1, limit, limit + 1, 3 * limit)
     with torch.inference_mode():
         for rows in sizes:
