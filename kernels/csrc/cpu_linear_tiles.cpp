@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -40,6 +41,7 @@ constexpr int64_t kGroup = 32;       // output columns per group: two B tiles of
 constexpr int64_t kStep = 32;        // K per step: one tile row of 32 bfloat16
 constexpr int64_t kStepElems = 1024;  // bfloat16 elements in one step of a group (2 tiles)
 constexpr int64_t kChunk = 32;       // rows of x per chunk: two A tiles of 16
+constexpr int64_t kRowBlock = 8;     // rows of x per VDPBF16PS block (16 accumulators)
 
 using bf16 = c10::BFloat16;
 
@@ -56,6 +58,14 @@ inline void write_rows(const float* acc, int rows, int64_t cols, bf16* y, int64_
     }
   }
 }
+
+// x's rows as the caller passed them (bfloat16, row stride ldx): what AMX's A tiles and the
+// portable loop read.
+struct PlainRows {
+  const bf16* x;
+  int64_t ldx;
+  PlainRows(const bf16* x_, int64_t ldx_, int64_t, int64_t) : x(x_), ldx(ldx_) {}
+};
 
 #if defined(PDSERVE_AMX)
 
@@ -109,8 +119,13 @@ void chunk_by_group(const bf16* x, int64_t ldx, int rows0, int rows1, const bf16
 // One thread's multiplies on AMX: the tile configuration follows the chunk's row count (a thread
 // loads its own; oneDNN sets its own too), and the tiles are released when the thread's share is done.
 struct AmxChunks {
+  using Rows = PlainRows;  // the A tiles load x's rows as they are
+  const Rows& in;
   int rows0 = -1, rows1 = -1;
-  void operator()(const bf16* x, int64_t ldx, int rows, const bf16* w, int64_t steps, bool from_memory, float* acc) {
+  explicit AmxChunks(const Rows& rows) : in(rows) {}
+  void operator()(int64_t m0, int rows, const bf16* w, int64_t steps, bool from_memory, float* acc) {
+    const bf16* x = in.x + m0 * in.ldx;
+    const int64_t ldx = in.ldx;
     const int r0 = std::min(rows, 16), r1 = rows - r0;
     if (r0 != rows0 || r1 != rows1) {
       configure(r0, r1);
@@ -142,13 +157,13 @@ struct AmxChunks {
 // step, 8 KiB ahead, ran at 1 row 9.5-10 ms and at 8 rows 14-15 ms (oneDNN 13-14): the burst
 // filled L1's miss buffers and the loads behind it waited.
 template <int R, bool Prefetch>
-void rows_by_group(const bf16* x, int64_t ldx, const bf16* w, int64_t steps, float* acc) {
+void rows_by_group(const int32_t* x, const bf16* w, int64_t steps, float* acc) {
   constexpr int64_t kAhead = 8 * kStepElems;
   __m512 c[R][2];
   for (int m = 0; m < R; ++m) c[m][0] = c[m][1] = _mm512_setzero_ps();
   for (int64_t s = 0; s < steps; ++s) {
     const bf16* b = w + s * kStepElems;
-    const bf16* xs = x + s * kStep;
+    const int32_t* xs = x + s * (kStep / 2) * kRowBlock;
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) {
       if (Prefetch) {
@@ -159,7 +174,7 @@ void rows_by_group(const bf16* x, int64_t ldx, const bf16* w, int64_t steps, flo
       const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + r * 64 + 32));
 #pragma GCC unroll 8
       for (int m = 0; m < R; ++m) {
-        const __m512bh a = pdserve_amx::broadcast_pair(xs + m * ldx + 2 * r);
+        const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xs[r * kRowBlock + m]));
         c[m][0] = _mm512_dpbf16_ps(c[m][0], a, w0);
         c[m][1] = _mm512_dpbf16_ps(c[m][1], a, w1);
       }
@@ -172,27 +187,56 @@ void rows_by_group(const bf16* x, int64_t ldx, const bf16* w, int64_t steps, flo
 }
 
 template <bool Prefetch>
-void rows_by_group_any(int rows, const bf16* x, int64_t ldx, const bf16* w, int64_t steps, float* acc) {
+void rows_by_group_any(int rows, const int32_t* x, const bf16* w, int64_t steps, float* acc) {
   switch (rows) {
-    case 1: return rows_by_group<1, Prefetch>(x, ldx, w, steps, acc);
-    case 2: return rows_by_group<2, Prefetch>(x, ldx, w, steps, acc);
-    case 3: return rows_by_group<3, Prefetch>(x, ldx, w, steps, acc);
-    case 4: return rows_by_group<4, Prefetch>(x, ldx, w, steps, acc);
-    case 5: return rows_by_group<5, Prefetch>(x, ldx, w, steps, acc);
-    case 6: return rows_by_group<6, Prefetch>(x, ldx, w, steps, acc);
-    case 7: return rows_by_group<7, Prefetch>(x, ldx, w, steps, acc);
-    default: return rows_by_group<8, Prefetch>(x, ldx, w, steps, acc);
+    case 1: return rows_by_group<1, Prefetch>(x, w, steps, acc);
+    case 2: return rows_by_group<2, Prefetch>(x, w, steps, acc);
+    case 3: return rows_by_group<3, Prefetch>(x, w, steps, acc);
+    case 4: return rows_by_group<4, Prefetch>(x, w, steps, acc);
+    case 5: return rows_by_group<5, Prefetch>(x, w, steps, acc);
+    case 6: return rows_by_group<6, Prefetch>(x, w, steps, acc);
+    case 7: return rows_by_group<7, Prefetch>(x, w, steps, acc);
+    default: return rows_by_group<8, Prefetch>(x, w, steps, acc);
   }
 }
+
+// x's rows as VDPBF16PS broadcasts them, packed once per call for every thread and group: blocks
+// of 8 rows, each [K/2, 8] pairs of bfloat16 (one int32 each), the 8 rows' pairs for one k pair
+// side by side. The kernel then finds each broadcast at a constant offset from one pointer that
+// moves by 512 bytes a step. Straight from x, each of the 8 rows needed its own pointer, and with
+// the k loop unrolled GCC kept them on the stack: 247 stack accesses in the 8-row kernel, loads
+// competing with the weight's and x's for the load ports.
+struct PairRows {
+  at::Tensor pairs;  // int32 [ceil(M / 8), K / 2, 8]
+  int64_t half_k;
+  PairRows(const bf16* x, int64_t ldx, int64_t m, int64_t k)
+      : pairs(at::empty({(m + kRowBlock - 1) / kRowBlock, k / 2, kRowBlock}, at::kInt)), half_k(k / 2) {
+    int32_t* out = pairs.data_ptr<int32_t>();
+    at::parallel_for(0, pairs.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t rows = std::min<int64_t>(kRowBlock, m - b * kRowBlock);
+        int32_t* block = out + b * half_k * kRowBlock;
+        for (int64_t r = 0; r < rows; ++r) {
+          const bf16* xr = x + (b * kRowBlock + r) * ldx;
+          for (int64_t p = 0; p < half_k; ++p) std::memcpy(block + p * kRowBlock + r, xr + 2 * p, sizeof(int32_t));
+        }
+      }
+    });
+  }
+  const int32_t* block(int64_t m0) const { return pairs.data_ptr<int32_t>() + m0 / kRowBlock * half_k * kRowBlock; }
+};
 
 // One thread's multiplies with VDPBF16PS: a chunk's rows in blocks of 8. The block that reads
 // the group's weight from memory prefetches it, as the AMX path does; the others find it in L2.
 struct Avx512Bf16Chunks {
-  void operator()(const bf16* x, int64_t ldx, int rows, const bf16* w, int64_t steps, bool from_memory, float* acc) const {
-    for (int m = 0; m < rows; m += 8) {
-      const int n = std::min(8, rows - m);
+  using Rows = PairRows;
+  const Rows& in;
+  explicit Avx512Bf16Chunks(const Rows& rows) : in(rows) {}
+  void operator()(int64_t m0, int rows, const bf16* w, int64_t steps, bool from_memory, float* acc) const {
+    for (int m = 0; m < rows; m += kRowBlock) {
+      const int n = std::min<int>(kRowBlock, rows - m);
       const auto block = from_memory && m == 0 ? rows_by_group_any<true> : rows_by_group_any<false>;
-      block(n, x + m * ldx, ldx, w, steps, acc + m * kGroup);
+      block(n, in.block(m0 + m), w, steps, acc + m * kGroup);
     }
   }
 };
@@ -201,7 +245,12 @@ struct Avx512Bf16Chunks {
 
 // The same layout without tiles: what TDPBF16PS computes, one row of x at a time.
 struct PortableChunks {
-  void operator()(const bf16* x, int64_t ldx, int rows, const bf16* w, int64_t steps, bool, float* acc) const {
+  using Rows = PlainRows;
+  const Rows& in;
+  explicit PortableChunks(const Rows& rows) : in(rows) {}
+  void operator()(int64_t m0, int rows, const bf16* w, int64_t steps, bool, float* acc) const {
+    const bf16* x = in.x + m0 * in.ldx;
+    const int64_t ldx = in.ldx;
     std::fill(acc, acc + kChunk * kGroup, 0.f);
     for (int m = 0; m < rows; ++m) {
       const bf16* xr = x + m * ldx;
@@ -230,13 +279,14 @@ constexpr int64_t kBlockBytes = 512 * 1024;
 // `first` marks the block's first chunk, which reads the unit's weight from memory. `Chunks`
 // multiplies (one per thread: AMX tiles or the portable loop).
 template <typename Chunks, typename PerChunk>
-void by_row_blocks(int64_t rows, int64_t steps, int64_t units, const PerChunk& per_chunk) {
+void by_row_blocks(const typename Chunks::Rows& xr, int64_t rows, int64_t steps, int64_t units,
+                   const PerChunk& per_chunk) {
   const int64_t row_bytes = steps * kStep * static_cast<int64_t>(sizeof(bf16));
   const int64_t block = std::max(kChunk, kBlockBytes / row_bytes / kChunk * kChunk);
   for (int64_t b0 = 0; b0 < rows; b0 += block) {
     const int64_t b_end = std::min(rows, b0 + block);
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-      Chunks chunks;
+      Chunks chunks(xr);
       alignas(64) float acc[kChunk * kGroup];
       for (int64_t u = begin; u < end; ++u) {
         for (int64_t m0 = b0; m0 < b_end; m0 += kChunk)
@@ -298,9 +348,10 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   auto* yp = y.data_ptr<bf16>();
   const int64_t ldx = xc.stride(0), steps = packed.size(1), group_elems = steps * kStepElems, n = out_features;
   with_chunks([&]<typename Chunks>(std::type_identity<Chunks>) {
-    by_row_blocks<Chunks>(xc.size(0), steps, packed.size(0),
+    const typename Chunks::Rows xr(xp, ldx, xc.size(0), xc.size(1));
+    by_row_blocks<Chunks>(xr, xc.size(0), steps, packed.size(0),
                           [&](Chunks& chunks, int64_t g, int64_t m0, int rows, bool first, float* acc) {
-                            chunks(xp + m0 * ldx, ldx, rows, wp + g * group_elems, steps, first, acc);
+                            chunks(m0, rows, wp + g * group_elems, steps, first, acc);
                             write_rows(acc, rows, std::min(kGroup, n - g * kGroup), yp + m0 * n + g * kGroup, n);
                           });
   });
@@ -328,13 +379,13 @@ at::Tensor tile_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
   const int64_t ldx = xc.stride(0), pairs = intermediate / kGroup, steps = packed.size(1);
   const int64_t group_elems = steps * kStepElems;
   with_chunks([&]<typename Chunks>(std::type_identity<Chunks>) {
-    by_row_blocks<Chunks>(xc.size(0), steps, pairs,
+    const typename Chunks::Rows xr(xp, ldx, xc.size(0), xc.size(1));
+    by_row_blocks<Chunks>(xr, xc.size(0), steps, pairs,
                           [&](Chunks& chunks, int64_t p, int64_t m0, int rows, bool first, float* acc) {
                             alignas(64) bf16 gate[kChunk * kGroup], up[kChunk * kGroup];
-                            const bf16* x0 = xp + m0 * ldx;
-                            chunks(x0, ldx, rows, wp + p * group_elems, steps, first, acc);
+                            chunks(m0, rows, wp + p * group_elems, steps, first, acc);
                             write_rows(acc, rows, kGroup, gate, kGroup);
-                            chunks(x0, ldx, rows, wp + (pairs + p) * group_elems, steps, first, acc);
+                            chunks(m0, rows, wp + (pairs + p) * group_elems, steps, first, acc);
                             write_rows(acc, rows, kGroup, up, kGroup);
                             for (int r = 0; r < rows; ++r)
                               silu_mul_row(gate + r * kGroup, up + r * kGroup, yp + (m0 + r) * intermediate + p * kGroup,
