@@ -98,12 +98,12 @@ class ModelRunner:
         """Pick and pack the CPU matmul (PDSERVE_CPU_LINEAR): the bfloat16 tile kernel, the compiled
         panel kernel, oneDNN's packed matmul, or MKL on the plain weight. `auto` takes the tiles for
         bfloat16 where they run natively: on AMX (on a Sapphire Rapids they read decode steps'
-        weights 1.4-1.6x faster than oneDNN) or with AVX512-BF16 (on a Zen 4, 1.5x oneDNN from 1 to 8
-        rows, 1.15-1.3x at 16-32); else oneDNN on CPUs with AVX-512 (its kernels use 512-bit vectors, where our
-        panel kernel is 8 wide: on a Sapphire Rapids it ran a float32 prefill of 1,024 tokens 1.5x
-        faster) and for bfloat16 wherever oneDNN computes it; the compiled panel kernel elsewhere
-        (AVX2: 1.2-1.9x oneDNN at decode sizes) when it built. A choice this machine cannot run
-        falls back in that order."""
+        weights 1.4-1.6x faster than oneDNN) or with AVX512-BF16 (on a Zen 4, 1.4-1.6x oneDNN from
+        1 to 8 rows, 1.15-1.24x at 32, even from 256); else oneDNN on CPUs with AVX-512 (its
+        kernels use 512-bit vectors, where our panel kernel is 8 wide: on a Sapphire Rapids it ran
+        a float32 prefill of 1,024 tokens 1.5x faster) and for bfloat16 wherever oneDNN computes
+        it; the compiled panel kernel elsewhere (AVX2: 1.2-1.9x oneDNN at decode sizes) when it
+        built. A choice this machine cannot run falls back in that order."""
         choice = os.environ.get(CPU_LINEAR_ENV, "auto")
         if choice not in CPU_LINEAR_CHOICES:
             raise ValueError(f"{CPU_LINEAR_ENV}={choice!r}: expected one of {', '.join(CPU_LINEAR_CHOICES)}")

@@ -5,9 +5,9 @@
   while the kernel multiplies it with a block of rows of x. float32 and bfloat16.
 - Tiles (kernels/csrc/cpu_linear_tiles.cpp): bfloat16 W [N, K] packed into
   [ceil(N/32), K/32, 16, 2, 32], the pair-interleaved "B" tiles AMX's TDPBF16PS reads (the two
-  of a step with their rows interleaved), a group of 32 output columns' tiles in K order. K must be a multiple of 32. Where there is no AMX but
-  AVX512-BF16 (Zen 4), VDPBF16PS reads the same layout: each tile row is one zmm of 16 column
-  pairs.
+  of a step with their rows interleaved), a group of 32 output columns' tiles in K order. K must
+  be a multiple of 32. Where there is no AMX but AVX512-BF16 (Zen 4), VDPBF16PS reads the same
+  layout: each tile row is one zmm of 16 column pairs.
 """
 
 from __future__ import annotations

@@ -60,8 +60,9 @@ class Linear(nn.Module):
         self.ops = ops
 
     def pack_tiles(self, ops: object, onednn: bool = False) -> None:
-        """Keep an AMX-tile copy for torch.ops.pdserve_cpu.tile_linear, and with `onednn` a
-        oneDNN-packed one for large steps (the weight itself stays)."""
+        """Keep a tile copy for torch.ops.pdserve_cpu.tile_linear (AMX or VDPBF16PS), and with
+        `onednn` a oneDNN-packed one for steps of more than TILE_MAX_ROWS rows (the weight itself
+        stays)."""
         self.tiles = cpu_linear.pack_tiles(self.weight.detach())
         self.ops = ops
         if onednn:
