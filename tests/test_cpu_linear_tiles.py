@@ -229,3 +229,20 @@ def test_asking_for_the_tiles_where_they_cannot_run_falls_back_with_a_warning(ti
     assert engine.runner.cpu_linear == "pdserve"
     assert f"PDSERVE_CPU_LINEAR={name}" in caplog.text
     assert all(len(v) == 3 for v in out.values())
+
+
+def test_a_decode_batch_of_twenty_runs_the_compiled_layers_as_the_pytorch_layers_do(tiny, monkeypatch):
+    """20 sequences of different lengths (1 to 3 KV blocks) decoding together: steps of 16 rows or
+    more, where the MLP's projections also prefetch the next layer's KV for the decode rows
+    (cpu_decoder_layer.cpp, on the VDPBF16PS tiles) and, above 8 rows, the next group's weight.
+    Prefetches change no number: the compiled layers give the PyTorch layers' tokens and cache."""
+    monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
+    monkeypatch.setattr(runner_module, "tiles_run", lambda ops: ops is not None)
+    prompts = {f"s{i}": [5 + i, 11, 40 + 3 * i] + list(range(60, 60 + 2 * i)) for i in range(20)}
+    engines = [Engine(EngineConfig(model="tiny", num_kv_blocks=128, dtype="bfloat16"), loaded=tiny) for _ in range(2)]
+    assert all(e.runner.cpu_linear == "tiles" for e in engines) and engines[0].runner.compiled_layers
+    engines[1].runner.model.use_compiled_layers(None)
+    outs = [greedy_tokens(e, prompts, 8) for e in engines]
+    assert all(len(v) == 8 for v in outs[0].values())
+    assert outs[0] == outs[1]
+    torch.testing.assert_close(engines[0].runner.kv_cache, engines[1].runner.kv_cache, atol=0, rtol=0)

@@ -2,7 +2,9 @@
 the PyTorch reference: odd lengths, page sizes 1/7/16, GQA groups on the vectorised paths (1-8)
 and past them (9), head sizes that are and are not a multiple of 8 (and, on AVX-512, of 16 and
 32: attention_avx512.h; bfloat16 scores on AMX tiles where the CPU has AMX, over tiles of 16
-positions read in place or, across small pages and at the tail, copied), shuffled tables padded with
+positions read in place or, across small pages and at the tail, copied; with AVX512-BF16, two
+positions a vector for head sizes 64 and 128 and the weighted sum on rounded probabilities, odd
+lengths included), shuffled tables padded with
 -1 over caches whose unused slots hold NaN, float32 and bfloat16, strided q as the model passes
 it. Bad tables raise instead of reading outside the cache. The build itself, its cache key and
 the fallback to the reference when it cannot build are tested too."""
@@ -89,7 +91,7 @@ def test_bfloat16_matches_the_reference_within_its_precision(backend, group, hea
 
 
 @pytest.mark.parametrize("block_size", [1, 7, 16, 32])
-@pytest.mark.parametrize("group,head_dim", [(3, 64), (8, 128), (1, 32)])
+@pytest.mark.parametrize("group,head_dim", [(3, 64), (4, 64), (2, 128), (8, 128), (1, 32)])
 def test_bfloat16_over_page_sizes_and_partial_tiles(backend, block_size, group, head_dim):
     """bfloat16 with d a multiple of 32, the scores AMX computes where the CPU has it: 16 positions
     evenly spaced within a page are read in place, a tile across pages (sizes 1 and 7, shuffled)

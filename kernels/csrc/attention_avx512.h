@@ -7,9 +7,13 @@
 // shuffles and adds) turns the 16 partial vectors into one vector of 16 scores. With bfloat16
 // and AVX512-BF16 the products are `vdpbf16ps` (two bfloat16 products per lane, summed in
 // float32): q and k are bfloat16 already, so the sum is exact up to float32 accumulation, and
-// the scale is applied to the finished scores.
+// the scale is applied to the finished scores. For head sizes 64 and 128 (scores_pairs) each
+// vector holds two positions' partial products, so the tree is half as long, and the query
+// operands stay in registers.
 //
-// Weighted sum. Each value row is widened once to float32 and accumulated into G heads x
+// Weighted sum. For bfloat16 with AVX512-BF16 (weighted_sum_pairs), the probabilities are
+// rounded to bfloat16 and two positions' values go into each `vdpbf16ps`. Otherwise each value
+// row is widened once to float32 and accumulated into G heads x
 // (d / 16) vector accumulators with 512-bit FMAs.
 //
 // Both walk the item's KV heads (one, or all of a sequence's) tile by tile: see below.
@@ -173,6 +177,144 @@ void weighted_sum(const float* p, const T* vp, const int64_t* rows, int64_t ctx,
     }
   }
 }
+
+#if defined(__AVX512BF16__)
+// r[j] = sum of the 8 lanes of half j % 2 of t[j / 2], for j < 16: the tree of sum_lanes16 from
+// its second level, three levels and 22 instructions for 16 scores instead of four and 46.
+inline __m512 sum_halves8(const __m512* t) {
+  __m512 u[4], v[2];
+  for (int i = 0; i < 4; ++i)  // block k: four partial sums of position 4i + k
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // block k: two partial sums of position 8i + k, then two of 8i + 4 + k
+    v[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+  // block k: positions k, k + 4, k + 8, k + 12
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+
+// `scores` for bfloat16 q and keys of head size D (a multiple of 16), two positions per vector:
+// each 512-bit key operand is 16 elements of position j in its low half and the same 16 of
+// position j + 1 in its high half (two 256-bit loads), against q's 16 elements in both halves, so
+// a tile of 16 positions leaves 8 partial vectors per query head instead of 16, and a cheaper
+// tree. The head's G x D / 16 query operands stay in registers over the tile. Same products and
+// float32 sums as Bf16Dot, in another order; the same prefetches as `scores`.
+template <int G, int D>
+void scores_pairs(const c10::BFloat16* q, const c10::BFloat16* kp, const c10::BFloat16* vp, const int64_t* rows,
+                  int64_t ctx, int64_t heads, float scale, float* scores) {
+  constexpr int M = D / 16;
+  const int64_t slot_bytes = heads * D * static_cast<int64_t>(sizeof(c10::BFloat16));
+  // Each of the tile's heads * 8 pair products prefetches `per` lines of one of the next tile's
+  // pairs of slots (keys' lines, then values'): pair s's part p goes with product s * heads + p.
+  const int64_t lines = (slot_bytes + 63) / 64, per = (4 * lines + heads - 1) / heads;
+  __m512 partial[G][8];
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t pos0 = 0; pos0 < ctx; pos0 += kLanes) {
+    const int64_t n = ctx - pos0 < kLanes ? ctx - pos0 : kLanes;
+    int64_t ahead = pos0 + kAhead, part = 0;  // the first of the pair of slots the next product prefetches
+    for (int64_t h = 0; h < heads; ++h) {
+      __m512bh qd[G][M];
+      for (int g = 0; g < G; ++g)
+        for (int m = 0; m < M; ++m)
+          qd[g][m] = (__m512bh)_mm512_broadcast_i64x4(_mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(q + (h * G + g) * D + 16 * m)));
+      for (int64_t jj = 0; 2 * jj < n; ++jj) {
+        if (ahead < ctx) {
+          for (int64_t l = part * per; l < std::min(4 * lines, (part + 1) * per); ++l) {
+            const bool second = l >= 2 * lines;
+            const int64_t slot = ahead + second, at = second ? l - 2 * lines : l;
+            if (slot < ctx) {
+              const char* base = reinterpret_cast<const char*>(at < lines ? kp + rows[slot] : vp + rows[slot]);
+              _mm_prefetch(base + 64 * (at < lines ? at : at - lines), _MM_HINT_T1);
+            }
+          }
+        }
+        if (++part == heads) part = 0, ahead += 2;
+        const int64_t j0 = pos0 + 2 * jj, j1 = 2 * jj + 1 < n ? j0 + 1 : j0;  // a lone last position twice
+        const c10::BFloat16* k0 = kp + rows[j0] + h * D;
+        const c10::BFloat16* k1 = kp + rows[j1] + h * D;
+        __m512 acc[G];
+        for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+        for (int m = 0; m < M; ++m) {
+          const __m512i lo = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k0 + 16 * m)));
+          const __m512bh kk = (__m512bh)_mm512_inserti64x4(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k1 + 16 * m)), 1);
+          for (int g = 0; g < G; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], qd[g][m], kk);
+        }
+        for (int g = 0; g < G; ++g) partial[g][jj] = acc[g];
+      }
+      for (int g = 0; g < G; ++g) {
+        for (int64_t jj = (n + 1) / 2; jj < 8; ++jj) partial[g][jj] = _mm512_setzero_ps();
+        const __m512 s = _mm512_mul_ps(sum_halves8(partial[g]), vscale);
+        _mm512_mask_storeu_ps(scores + (h * G + g) * ctx + pos0, static_cast<__mmask16>((1u << n) - 1u), s);
+      }
+    }
+  }
+}
+
+// The weighted sum for bfloat16 values with VDPBF16PS, two positions per instruction: the
+// probabilities are rounded to bfloat16 (as FlashAttention rounds P before its PV product; the
+// sum still accumulates in float32), and each pair of value rows is interleaved into (v_j[c],
+// v_j+1[c]) pairs with one unpack each way. Per position and KV head, G x d / 32 VDPBF16PS and
+// d / 32 unpacks replace the float loop's G x d / 16 FMAs and d / 16 widenings (bfloat16 to
+// float32, two instructions each): on a 2-core Zen 4 the float loop was about 40% of decode
+// attention's compute. unpacklo/hi work within 128-bit lanes, so accumulator lo holds columns
+// 8L .. 8L+3 and hi 8L+4 .. 8L+7 of lane L; they are put back in order once, at the end.
+//
+// `p` holds float32 probabilities, row r (query head h G + g) at p + r ctx; they are converted to
+// bfloat16 pairs in place: row r's pairs start at the same address, ceil(ctx / 2) of them, the
+// last padded with a zero where ctx is odd. Needs d % (32 NC) == 0.
+template <int G, int NC>
+void weighted_sum_pairs(float* p, const c10::BFloat16* vp, const int64_t* rows, int64_t ctx, int64_t d, int64_t heads,
+                        float* out) {
+  for (int64_t r = 0; r < heads * G; ++r) {
+    float* row = p + r * ctx;
+    auto* pairs = reinterpret_cast<uint16_t*>(row);
+    for (int64_t i = 0; i < ctx; i += kLanes) {  // 16 floats read before their 32 bytes are written
+      const __mmask16 m = static_cast<__mmask16>(ctx - i >= kLanes ? 0xFFFF : (1u << (ctx - i)) - 1u);
+      const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, row + i));
+      _mm256_mask_storeu_epi16(pairs + i, m, (__m256i)b);
+    }
+    if (ctx % 2) pairs[ctx] = 0;
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t h = 0; h < heads; ++h) {
+    const int32_t* pair_rows[G];  // query head g's pair for positions j, j + 1 at [j / 2]
+    for (int g = 0; g < G; ++g) pair_rows[g] = reinterpret_cast<const int32_t*>(p + (h * G + g) * ctx);
+    for (int64_t c = 0; c < d; c += 32 * NC) {
+      __m512 lo[G][NC], hi[G][NC];
+      for (int g = 0; g < G; ++g)
+        for (int k = 0; k < NC; ++k) lo[g][k] = hi[g][k] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < ctx; j += 2) {
+        const c10::BFloat16* r0 = vp + rows[j] + h * d + c;
+        const c10::BFloat16* r1 = j + 1 < ctx ? vp + rows[j + 1] + h * d + c : nullptr;
+        __m512bh a[NC], b[NC];
+        for (int k = 0; k < NC; ++k) {
+          const __m512i x0 = _mm512_loadu_si512(r0 + 32 * k);
+          const __m512i x1 = r1 != nullptr ? _mm512_loadu_si512(r1 + 32 * k) : _mm512_setzero_si512();
+          a[k] = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+          b[k] = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+        }
+        for (int g = 0; g < G; ++g) {
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(pair_rows[g][j / 2]);
+          for (int k = 0; k < NC; ++k) {
+            lo[g][k] = _mm512_dpbf16_ps(lo[g][k], a[k], w);
+            hi[g][k] = _mm512_dpbf16_ps(hi[g][k], b[k], w);
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        float* o = out + (h * G + g) * d + c;
+        for (int k = 0; k < NC; ++k) {
+          _mm512_storeu_ps(o + 32 * k, _mm512_permutex2var_ps(lo[g][k], first, hi[g][k]));
+          _mm512_storeu_ps(o + 32 * k + 16, _mm512_permutex2var_ps(lo[g][k], second, hi[g][k]));
+        }
+      }
+    }
+  }
+}
+#endif
 
 #if defined(PDSERVE_AMX)
 // Scores on AMX tiles, for bfloat16 where the CPU has AMX. For each tile of 16 positions and each

@@ -7,7 +7,8 @@
 //
 // Work item = (sequence, KV head): its G query heads are scored together, so each key and value
 // row is read from memory once per group. Scores are kept in float32 for the whole context, then
-// softmaxed exactly (max-subtracted), then the weighted sum of values accumulates in float32.
+// softmaxed exactly (max-subtracted), then the weighted sum of values accumulates in float32 (for
+// bfloat16 values on AVX512-BF16, from probabilities rounded to bfloat16: attention_avx512.h).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -282,13 +283,40 @@ void attend_wide(Dots dots, const T* q_raw, const float* qf, const T* kp, const 
                                                                                            scale, scores);
 #endif
 #if defined(__AVX512BF16__)
-    if (dots == Dots::Bf16)
-      by_group(geo.group, [&](auto g) { scores_with(g, avx512::Bf16Dot<decltype(g)::value>{q_raw, geo.d}, scale); });
+    if (dots == Dots::Bf16) {
+      by_group(geo.group, [&](auto g) {
+        constexpr int G = decltype(g)::value;
+        const auto* qb = reinterpret_cast<const c10::BFloat16*>(q_raw);
+        const auto* kb = reinterpret_cast<const c10::BFloat16*>(kp);
+        const auto* vb = reinterpret_cast<const c10::BFloat16*>(vp);
+        // The query operands in registers: G x D / 16 of them, at most 16.
+        if constexpr (G <= 4) {
+          if (geo.d == 64) return avx512::scores_pairs<G, 64>(qb, kb, vb, rows, ctx, heads, scale, scores);
+        }
+        if constexpr (G <= 2) {
+          if (geo.d == 128) return avx512::scores_pairs<G, 128>(qb, kb, vb, rows, ctx, heads, scale, scores);
+        }
+        scores_with(g, avx512::Bf16Dot<G>{q_raw, geo.d}, scale);
+      });
+    }
 #endif
   }
   if (dots == Dots::Float)
     by_group(geo.group, [&](auto g) { scores_with(g, avx512::WideDot<decltype(g)::value, T>{qf, geo.d}, 1.f); });
   for (int64_t r = 0; r < heads * geo.group; ++r) softmax(scores + r * ctx, ctx);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (dots != Dots::Float) {  // bfloat16 values, d % 32 == 0 (wide_dots)
+      by_group(geo.group, [&](auto g) {
+        constexpr int G = decltype(g)::value;
+        constexpr int NC = G <= 2 ? 4 : (G <= 4 ? 2 : 1);  // at most 16 accumulators
+        if (geo.d % (32 * NC) == 0) return avx512::weighted_sum_pairs<G, NC>(scores, vp, rows, ctx, geo.d, heads, out);
+        avx512::weighted_sum_pairs<G, 1>(scores, vp, rows, ctx, geo.d, heads, out);
+      });
+      return;
+    }
+  }
+#endif
   by_group(geo.group, [&](auto g) {
     constexpr int G = decltype(g)::value;
     constexpr int NC = G <= 4 ? 4 : 2;  // at most 16 accumulators

@@ -206,16 +206,18 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_
   });
 }
 
-at::Tensor project_silu_mul(const at::Tensor& x, const at::Tensor& weight, int64_t intermediate) {
-  if (tile_fuses_silu_mul(weight, intermediate)) return tile_linear_silu_mul(x, weight, intermediate);
+at::Tensor project_silu_mul(const at::Tensor& x, const at::Tensor& weight, int64_t intermediate,
+                           const PrefetchRange& background) {
+  if (tile_fuses_silu_mul(weight, intermediate)) return tile_linear_silu_mul(x, weight, intermediate, background);
   if (weight.dim() == 3 && weight.size(2) == kPanel && intermediate % kPanel == 0)
     return linear_silu_mul(x, weight, intermediate);
   return silu_mul(project(x, weight, 2 * intermediate));
 }
 
-at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_features) {
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_features,
+                   const PrefetchRange& background) {
   if (weight.dim() == 3) return linear(x, weight, out_features);
-  if (weight.dim() == 5) return tile_linear(x, weight, out_features);
+  if (weight.dim() == 5) return tile_linear(x, weight, out_features, background);
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) == out_features, "a oneDNN-packed weight must be [", out_features,
               ", K], got ", weight.sizes());
   return onednn_linear(x, weight);

@@ -27,6 +27,7 @@
 
 #include "amx.h"
 #include "ops.h"
+#include "prefetch.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -138,6 +139,10 @@ struct AmxChunks {
       chunk_by_group<false>(x, ldx, r0, r1, w, steps, acc);
     }
   }
+  void operator()(int64_t m0, int rows, const bf16* w, int64_t steps, bool from_memory, float* acc,
+                  pdserve_cpu::PrefetchCursor&) {  // no background prefetch measured on AMX yet
+    (*this)(m0, rows, w, steps, from_memory, acc);
+  }
   ~AmxChunks() { _tile_release(); }
 };
 
@@ -156,8 +161,12 @@ struct AmxChunks {
 // the same bytes (7.4-7.7 ms against 7.1-7.8); the AMX path's burst of 32 prefetches into L1 each
 // step, 8 KiB ahead, ran at 1 row 9.5-10 ms and at 8 rows 14-15 ms (oneDNN 13-14): the burst
 // filled L1's miss buffers and the loads behind it waited.
+//
+// `background` (the next layer's KV, prefetch.h) and `next` (the next group's weight) trickle
+// their lines one each per k pair, between the block's own loads.
 template <int R, bool Prefetch>
-void rows_by_group(const int32_t* x, const bf16* w, int64_t steps, float* acc) {
+void rows_by_group(const int32_t* x, const bf16* w, int64_t steps, float* acc,
+                   pdserve_cpu::PrefetchCursor& background, pdserve_cpu::PrefetchCursor& next) {
   constexpr int64_t kAhead = 8 * kStepElems;
   __m512 c[R][2];
   for (int m = 0; m < R; ++m) c[m][0] = c[m][1] = _mm512_setzero_ps();
@@ -170,6 +179,8 @@ void rows_by_group(const int32_t* x, const bf16* w, int64_t steps, float* acc) {
         _mm_prefetch(reinterpret_cast<const char*>(b + kAhead + r * 64), _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(b + kAhead + r * 64 + 32), _MM_HINT_T1);
       }
+      background.one();
+      next.one();
       const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + r * 64));
       const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + r * 64 + 32));
 #pragma GCC unroll 8
@@ -187,16 +198,17 @@ void rows_by_group(const int32_t* x, const bf16* w, int64_t steps, float* acc) {
 }
 
 template <bool Prefetch>
-void rows_by_group_any(int rows, const int32_t* x, const bf16* w, int64_t steps, float* acc) {
+void rows_by_group_any(int rows, const int32_t* x, const bf16* w, int64_t steps, float* acc,
+                       pdserve_cpu::PrefetchCursor& background, pdserve_cpu::PrefetchCursor& next) {
   switch (rows) {
-    case 1: return rows_by_group<1, Prefetch>(x, w, steps, acc);
-    case 2: return rows_by_group<2, Prefetch>(x, w, steps, acc);
-    case 3: return rows_by_group<3, Prefetch>(x, w, steps, acc);
-    case 4: return rows_by_group<4, Prefetch>(x, w, steps, acc);
-    case 5: return rows_by_group<5, Prefetch>(x, w, steps, acc);
-    case 6: return rows_by_group<6, Prefetch>(x, w, steps, acc);
-    case 7: return rows_by_group<7, Prefetch>(x, w, steps, acc);
-    default: return rows_by_group<8, Prefetch>(x, w, steps, acc);
+    case 1: return rows_by_group<1, Prefetch>(x, w, steps, acc, background, next);
+    case 2: return rows_by_group<2, Prefetch>(x, w, steps, acc, background, next);
+    case 3: return rows_by_group<3, Prefetch>(x, w, steps, acc, background, next);
+    case 4: return rows_by_group<4, Prefetch>(x, w, steps, acc, background, next);
+    case 5: return rows_by_group<5, Prefetch>(x, w, steps, acc, background, next);
+    case 6: return rows_by_group<6, Prefetch>(x, w, steps, acc, background, next);
+    case 7: return rows_by_group<7, Prefetch>(x, w, steps, acc, background, next);
+    default: return rows_by_group<8, Prefetch>(x, w, steps, acc, background, next);
   }
 }
 
@@ -230,15 +242,27 @@ struct PairRows {
 
 // One thread's multiplies with VDPBF16PS: a chunk's rows in blocks of 8. The block that reads
 // the group's weight from memory prefetches it, as the AMX path does; the others find it in L2.
+// With more than one block (more than 8 rows: bound by compute), every block of the chunk also
+// prefetches its share of the weight that follows this one in memory, the thread's next group
+// (or, for the gate/up pairs, its next gate or up group), so that memory keeps streaming while
+// the later blocks compute from L2, and the next group's first block finds its weight in L2
+// instead of waiting on DRAM.
 struct Avx512Bf16Chunks {
   using Rows = PairRows;
   const Rows& in;
   explicit Avx512Bf16Chunks(const Rows& rows) : in(rows) {}
-  void operator()(int64_t m0, int rows, const bf16* w, int64_t steps, bool from_memory, float* acc) const {
-    for (int m = 0; m < rows; m += kRowBlock) {
-      const int n = std::min<int>(kRowBlock, rows - m);
+  void operator()(int64_t m0, int rows, const bf16* w, int64_t steps, bool from_memory, float* acc,
+                  pdserve_cpu::PrefetchCursor& background) const {
+    const int blocks = (rows + kRowBlock - 1) / kRowBlock;
+    const bool ahead = from_memory && blocks > 1;
+    const char* after = reinterpret_cast<const char*>(w + steps * kStepElems);
+    const int64_t lines = steps * kStepElems * static_cast<int64_t>(sizeof(bf16)) / pdserve_cpu::kLineBytes;
+    for (int b = 0; b < blocks; ++b) {
+      const int m = b * kRowBlock, n = std::min<int>(kRowBlock, rows - m);
       const auto block = from_memory && m == 0 ? rows_by_group_any<true> : rows_by_group_any<false>;
-      block(n, in.block(m0 + m), w, steps, acc + m * kGroup);
+      auto next = ahead ? pdserve_cpu::PrefetchCursor::contiguous(after, lines, b, blocks) : pdserve_cpu::PrefetchCursor();
+      block(n, in.block(m0 + m), w, steps, acc + m * kGroup, background, next);
+      next.rest();
     }
   }
 };
@@ -250,7 +274,8 @@ struct PortableChunks {
   using Rows = PlainRows;
   const Rows& in;
   explicit PortableChunks(const Rows& rows) : in(rows) {}
-  void operator()(int64_t m0, int rows, const bf16* w, int64_t steps, bool, float* acc) const {
+  void operator()(int64_t m0, int rows, const bf16* w, int64_t steps, bool, float* acc,
+                  pdserve_cpu::PrefetchCursor&) const {
     const bf16* x = in.x + m0 * in.ldx;
     const int64_t ldx = in.ldx;
     std::fill(acc, acc + kChunk * kGroup, 0.f);
@@ -277,12 +302,14 @@ constexpr int64_t kBlockBytes = 512 * 1024;
 
 // The loop both ops share: within a block of rows, each thread takes a share of the weight's
 // `units` (groups of 32 columns, or gate/up pairs of them) and calls
-// `per_chunk(chunks, unit, m0, rows, first, acc)` for each chunk of up to 32 rows from row m0;
-// `first` marks the block's first chunk, which reads the unit's weight from memory. `Chunks`
-// multiplies (one per thread: AMX tiles or the portable loop).
+// `per_chunk(chunks, unit, m0, rows, first, acc, background)` for each chunk of up to 32 rows from
+// row m0; `first` marks the block's first chunk, which reads the unit's weight from memory.
+// `Chunks` multiplies (one per thread: AMX tiles, VDPBF16PS or the portable loop). `background`
+// (may be empty) is spread over the first block's units: each unit trickles an equal share of it
+// and issues what is left when the unit ends.
 template <typename Chunks, typename PerChunk>
 void by_row_blocks(const typename Chunks::Rows& xr, int64_t rows, int64_t steps, int64_t units,
-                   const PerChunk& per_chunk) {
+                   const pdserve_cpu::PrefetchRange& background, const PerChunk& per_chunk) {
   const int64_t row_bytes = steps * kStep * static_cast<int64_t>(sizeof(bf16));
   const int64_t block = std::max(kChunk, kBlockBytes / row_bytes / kChunk * kChunk);
   for (int64_t b0 = 0; b0 < rows; b0 += block) {
@@ -291,8 +318,10 @@ void by_row_blocks(const typename Chunks::Rows& xr, int64_t rows, int64_t steps,
       Chunks chunks(xr);
       alignas(64) float acc[kChunk * kGroup];
       for (int64_t u = begin; u < end; ++u) {
+        auto cursor = b0 == 0 ? background.share(u, units) : pdserve_cpu::PrefetchCursor();
         for (int64_t m0 = b0; m0 < b_end; m0 += kChunk)
-          per_chunk(chunks, u, m0, static_cast<int>(std::min(kChunk, b_end - m0)), m0 == b0, acc);
+          per_chunk(chunks, u, m0, static_cast<int>(std::min(kChunk, b_end - m0)), m0 == b0, acc, cursor);
+        cursor.rest();
       }
     });
   }
@@ -339,7 +368,8 @@ at::Tensor checked_rows(const char* op, const at::Tensor& x, const at::Tensor& p
 
 }  // namespace
 
-at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                       const PrefetchRange& background) {
   const at::Tensor xc = checked_rows("tile_linear", x, packed);
   TORCH_CHECK(out_features > (packed.size(0) - 1) * kGroup && out_features <= packed.size(0) * kGroup,
               "out_features ", out_features, " does not fit ", packed.size(0), " groups of ", kGroup);
@@ -351,9 +381,10 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const int64_t ldx = xc.stride(0), steps = packed.size(1), group_elems = steps * kStepElems, n = out_features;
   with_chunks([&]<typename Chunks>(std::type_identity<Chunks>) {
     const typename Chunks::Rows xr(xp, ldx, xc.size(0), xc.size(1));
-    by_row_blocks<Chunks>(xr, xc.size(0), steps, packed.size(0),
-                          [&](Chunks& chunks, int64_t g, int64_t m0, int rows, bool first, float* acc) {
-                            chunks(m0, rows, wp + g * group_elems, steps, first, acc);
+    by_row_blocks<Chunks>(xr, xc.size(0), steps, packed.size(0), background,
+                          [&](Chunks& chunks, int64_t g, int64_t m0, int rows, bool first, float* acc,
+                              PrefetchCursor& cursor) {
+                            chunks(m0, rows, wp + g * group_elems, steps, first, acc, cursor);
                             write_rows(acc, rows, std::min(kGroup, n - g * kGroup), yp + m0 * n + g * kGroup, n);
                           });
   });
@@ -365,7 +396,8 @@ bool tile_fuses_silu_mul(const at::Tensor& packed, int64_t intermediate) {
          packed.size(0) * kGroup == 2 * intermediate;
 }
 
-at::Tensor tile_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate) {
+at::Tensor tile_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate,
+                                const PrefetchRange& background) {
   const at::Tensor xc = checked_rows("tile_linear_silu_mul", x, packed);
   TORCH_CHECK(tile_fuses_silu_mul(packed, intermediate), "tile_linear_silu_mul needs a gate/up weight of 2 x ",
               intermediate, " columns in whole groups of ", kGroup, ", got ", packed.sizes());
@@ -382,12 +414,13 @@ at::Tensor tile_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
   const int64_t group_elems = steps * kStepElems;
   with_chunks([&]<typename Chunks>(std::type_identity<Chunks>) {
     const typename Chunks::Rows xr(xp, ldx, xc.size(0), xc.size(1));
-    by_row_blocks<Chunks>(xr, xc.size(0), steps, pairs,
-                          [&](Chunks& chunks, int64_t p, int64_t m0, int rows, bool first, float* acc) {
+    by_row_blocks<Chunks>(xr, xc.size(0), steps, pairs, background,
+                          [&](Chunks& chunks, int64_t p, int64_t m0, int rows, bool first, float* acc,
+                              PrefetchCursor& cursor) {
                             alignas(64) bf16 gate[kChunk * kGroup], up[kChunk * kGroup];
-                            chunks(m0, rows, wp + p * group_elems, steps, first, acc);
+                            chunks(m0, rows, wp + p * group_elems, steps, first, acc, cursor);
                             write_rows(acc, rows, kGroup, gate, kGroup);
-                            chunks(m0, rows, wp + (pairs + p) * group_elems, steps, first, acc);
+                            chunks(m0, rows, wp + (pairs + p) * group_elems, steps, first, acc, cursor);
                             write_rows(acc, rows, kGroup, up, kGroup);
                             for (int r = 0; r < rows; ++r)
                               silu_mul_row(gate + r * kGroup, up + r * kGroup, yp + (m0 + r) * intermediate + p * kGroup,
@@ -406,6 +439,10 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
-  m.impl("tile_linear", &pdserve_cpu::tile_linear);
-  m.impl("tile_linear_silu_mul", &pdserve_cpu::tile_linear_silu_mul);
+  m.impl("tile_linear", [](const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+    return pdserve_cpu::tile_linear(x, packed, out_features);
+  });
+  m.impl("tile_linear_silu_mul", [](const at::Tensor& x, const at::Tensor& packed, int64_t intermediate) {
+    return pdserve_cpu::tile_linear_silu_mul(x, packed, intermediate);
+  });
 }

@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 
+#include "prefetch.h"
+
 namespace pdserve_cpu {
 
 // cpu_attention.cpp
@@ -24,8 +26,10 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::
 at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features);
 // x W^T for a weight packed any of the three ways (cpu_linear.cpp): 3-D panels go to `linear`,
 // 5-D AMX tiles to `tile_linear`, a 2-D [N, K] weight in oneDNN's packed layout
-// (model/llama.py Linear.pack_onednn) to oneDNN's matmul.
-at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_features);
+// (model/llama.py Linear.pack_onednn) to oneDNN's matmul. The tiles trickle `background`
+// (prefetch.h) between their own loads; the other packings ignore it.
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_features,
+                   const PrefetchRange& background = {});
 // x W^T through oneDNN's packed copy of W [N, K] (model/llama.py Linear.pack_onednn), with the
 // rows split between the intra-op threads where each gets enough of them.
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed);
@@ -33,7 +37,8 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed);
 at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_t intermediate);
 // silu_mul(project(x, weight, 2 I)), in one pass where the packing allows it: panels with I a
 // multiple of 24, or AMX tiles with I a multiple of 32 (tile_fuses_silu_mul).
-at::Tensor project_silu_mul(const at::Tensor& x, const at::Tensor& weight, int64_t intermediate);
+at::Tensor project_silu_mul(const at::Tensor& x, const at::Tensor& weight, int64_t intermediate,
+                           const PrefetchRange& background = {});
 
 // y [rows, n] = x [rows, k_size] times a float32 weight in 24-column panels, on this thread only:
 // panel p starts at panels + p * panel_stride and its first k_size rows of 24 are read (so a panel
@@ -55,9 +60,11 @@ at::Tensor prefill_attention_tiles(const at::Tensor& q, const at::Tensor& key, c
                                    double scale);
 
 // cpu_linear_tiles.cpp
-at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
+at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                       const PrefetchRange& background = {});
 // silu(gate) * up of x through AMX tiles of a gate/up weight [2 I, K], I % 32 == 0, in one pass.
-at::Tensor tile_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate);
+at::Tensor tile_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate,
+                                const PrefetchRange& background = {});
 // Whether tile_linear_silu_mul takes this packed weight and intermediate size.
 bool tile_fuses_silu_mul(const at::Tensor& packed, int64_t intermediate);
 // Whether this build and process run the tiles on AMX (amx.h); onednn_linear asks.
