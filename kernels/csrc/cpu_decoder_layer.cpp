@@ -18,6 +18,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <unistd.h>
@@ -113,15 +114,20 @@ struct DecodeKvBlocks {
   int64_t block_bytes = 0;
 
   DecodeKvBlocks(const StepShape& step, const at::Tensor& k_cache, int64_t budget) {
-    if (step.num_decode == 0 || budget <= 0) return;
+    const at::Tensor& tables = step.decode_block_tables;
+    // decode_attention checks the metadata after this; a table it would refuse prefetches nothing.
+    if (step.num_decode == 0 || budget <= 0 || tables.dim() != 2 || tables.scalar_type() != at::kInt ||
+        tables.size(0) < step.num_decode || tables.stride(1) != 1)
+      return;
     block_bytes = k_cache.stride(0) * k_cache.element_size();
     const int64_t block = k_cache.size(1);
     const at::Tensor lens = step.decode_seq_lens.to(at::kInt).contiguous();
     const int32_t* lp = lens.data_ptr<int32_t>();
-    const at::Tensor& tables = step.decode_block_tables;
     const int32_t* tp = tables.data_ptr<int32_t>();
-    // Blocks a sequence reads (decode_attention checks them against the table; here they only bound it).
-    const auto blocks = [&](int64_t b) { return std::min<int64_t>((lp[b] + block - 1) / block, tables.size(1)); };
+    // The blocks a sequence reads, within its table row.
+    const auto blocks = [&](int64_t b) {
+      return std::clamp<int64_t>((lp[b] + block - 1) / block, 0, tables.size(1));
+    };
     int64_t most = 0;
     for (int64_t b = 0; b < step.num_decode; ++b) most = std::max(most, blocks(b));
     for (int64_t j = 0; j < most; ++j) {

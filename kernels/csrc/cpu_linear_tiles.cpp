@@ -246,7 +246,8 @@ struct PairRows {
 // prefetches its share of the weight that follows this one in memory, the thread's next group
 // (or, for the gate/up pairs, its next gate or up group), so that memory keeps streaming while
 // the later blocks compute from L2, and the next group's first block finds its weight in L2
-// instead of waiting on DRAM.
+// instead of waiting on DRAM. (After a thread's last group that is the next thread's weight, or
+// past the packed weight's end: a prefetch never faults.)
 struct Avx512Bf16Chunks {
   using Rows = PairRows;
   const Rows& in;
