@@ -111,6 +111,47 @@ inline void prefetch_bytes(const void* at, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, static_cast<_mm_hint>(Hint));
 }
 
+// Two spans of memory (a tile's keys, then its values) prefetched into L2 from running pointers,
+// a line every kSpanStride bytes.
+constexpr int64_t kSpanStride = 64;
+struct SpanPrefetch {
+  const char *k = nullptr, *k_end = nullptr, *v = nullptr, *v_end = nullptr;
+  static SpanPrefetch of(const char* k, const char* v, int64_t bytes) { return {k, k + bytes, v, v + bytes}; }
+  inline void some(int64_t count) {
+    for (int64_t i = 0; i < count; ++i) {
+      if (k < k_end) {
+        _mm_prefetch(k, _MM_HINT_T1);
+        k += kSpanStride;
+      } else if (v < v_end) {
+        _mm_prefetch(v, _MM_HINT_T1);
+        v += kSpanStride;
+      } else {
+        return;
+      }
+    }
+  }
+};
+
+// Where the next tile's slots (from position `ahead`) are contiguous, a block holding all of its
+// positions and the item reading whole slots of `slot_elems`, its keys and values are two spans
+// from running pointers: returns true and sets `span` and `per`, the lines for each of the tile's
+// `products` products. Else the kernels prefetch slot by slot. On a 2-core Zen 4, 30 layers of
+// bfloat16 decode attention (context 256) from cache: batch 8 1.36 -> 1.11 ms, batch 32 4.10 ->
+// 3.49; from DRAM, batch 8 2.08 -> 1.42-1.93 (the slot by slot address arithmetic was a quarter
+// of the loop's time in cache). A line every 128 bytes (leaving the adjacent line to the
+// hardware) read DRAM slower: batch 8 2.6, batch 32 9.5 ms.
+template <typename T>
+inline bool next_tile_spans(const T* kp, const T* vp, const int64_t* rows, int64_t ctx, int64_t ahead,
+                            int64_t slot_elems, int64_t products, SpanPrefetch& span, int64_t& per) {
+  const int64_t next_n = std::min(kLanes, ctx - ahead);
+  if (next_n <= 0 || rows[ahead + next_n - 1] - rows[ahead] != (next_n - 1) * slot_elems) return false;
+  const int64_t bytes = next_n * slot_elems * static_cast<int64_t>(sizeof(T));
+  span = SpanPrefetch::of(reinterpret_cast<const char*>(kp + rows[ahead]), reinterpret_cast<const char*>(vp + rows[ahead]),
+                          bytes);
+  per = (2 * ((bytes + kSpanStride - 1) / kSpanStride) + products - 1) / products;
+  return true;
+}
+
 // scores[(h G + g) ctx + pos] = scale * (q[h G + g] . k_h[pos]) for the item's `heads` KV heads;
 // rows[pos] is the offset of the first head's row at pos, head h's row is rows[pos] + h d; vp is
 // the value cache, only prefetched here.
@@ -126,9 +167,14 @@ void scores(const Dot& dot, const T* kp, const T* vp, const int64_t* rows, int64
   for (int64_t pos0 = 0; pos0 < ctx; pos0 += kLanes) {
     const int64_t n = ctx - pos0 < kLanes ? ctx - pos0 : kLanes;
     int64_t ahead = pos0 + kAhead, part = 0;  // the slot and part the next product prefetches
+    SpanPrefetch span;
+    int64_t span_per = 0;
+    const bool spans = next_tile_spans(kp, vp, rows, ctx, ahead, heads * d, heads * n, span, span_per);
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t j = 0; j < n; ++j) {
-        if (ahead < ctx) {
+        if (spans) {
+          span.some(span_per);
+        } else if (ahead < ctx) {
           const char* k_at = reinterpret_cast<const char*>(kp + rows[ahead]);
           const char* v_at = reinterpret_cast<const char*>(vp + rows[ahead]);
           for (int64_t l = part * per; l < std::min(2 * lines, (part + 1) * per); ++l)
@@ -213,6 +259,9 @@ void scores_pairs(const c10::BFloat16* q, const c10::BFloat16* kp, const c10::BF
   for (int64_t pos0 = 0; pos0 < ctx; pos0 += kLanes) {
     const int64_t n = ctx - pos0 < kLanes ? ctx - pos0 : kLanes;
     int64_t ahead = pos0 + kAhead, part = 0;  // the first of the pair of slots the next product prefetches
+    SpanPrefetch span;
+    int64_t span_per = 0;
+    const bool spans = next_tile_spans(kp, vp, rows, ctx, ahead, heads * D, heads * ((n + 1) / 2), span, span_per);
     for (int64_t h = 0; h < heads; ++h) {
       __m512bh qd[G][M];
       for (int g = 0; g < G; ++g)
@@ -220,7 +269,9 @@ void scores_pairs(const c10::BFloat16* q, const c10::BFloat16* kp, const c10::BF
           qd[g][m] = (__m512bh)_mm512_broadcast_i64x4(_mm256_loadu_si256(
               reinterpret_cast<const __m256i*>(q + (h * G + g) * D + 16 * m)));
       for (int64_t jj = 0; 2 * jj < n; ++jj) {
-        if (ahead < ctx) {
+        if (spans) {
+          span.some(span_per);
+        } else if (ahead < ctx) {
           for (int64_t l = part * per; l < std::min(4 * lines, (part + 1) * per); ++l) {
             const bool second = l >= 2 * lines;
             const int64_t slot = ahead + second, at = second ? l - 2 * lines : l;
