@@ -112,7 +112,9 @@ inline void prefetch_bytes(const void* at, int64_t bytes) {
 }
 
 // Two spans of memory (a tile's keys, then its values) prefetched into L2 from running pointers,
-// a line every kSpanStride bytes.
+// a line every kSpanStride bytes. Not prefetch.h's PrefetchCursor, whose span bookkeeping per
+// line cost more here: over the same lines (two spans, or one a slot), 30 layers at batch 32
+// from cache ran 3.43-3.49 ms with this and 3.72-4.18 with the cursor (2-core Zen 4).
 constexpr int64_t kSpanStride = 64;
 struct SpanPrefetch {
   const char *k = nullptr, *k_end = nullptr, *v = nullptr, *v_end = nullptr;

@@ -286,15 +286,12 @@ void attend_wide(Dots dots, const T* q_raw, const float* qf, const T* kp, const 
     if (dots == Dots::Bf16) {
       by_group(geo.group, [&](auto g) {
         constexpr int G = decltype(g)::value;
-        const auto* qb = reinterpret_cast<const c10::BFloat16*>(q_raw);
-        const auto* kb = reinterpret_cast<const c10::BFloat16*>(kp);
-        const auto* vb = reinterpret_cast<const c10::BFloat16*>(vp);
         // The query operands in registers: G x D / 16 of them, at most 16.
         if constexpr (G <= 4) {
-          if (geo.d == 64) return avx512::scores_pairs<G, 64>(qb, kb, vb, rows, ctx, heads, scale, scores);
+          if (geo.d == 64) return avx512::scores_pairs<G, 64>(q_raw, kp, vp, rows, ctx, heads, scale, scores);
         }
         if constexpr (G <= 2) {
-          if (geo.d == 128) return avx512::scores_pairs<G, 128>(qb, kb, vb, rows, ctx, heads, scale, scores);
+          if (geo.d == 128) return avx512::scores_pairs<G, 128>(q_raw, kp, vp, rows, ctx, heads, scale, scores);
         }
         scores_with(g, avx512::Bf16Dot<G>{q_raw, geo.d}, scale);
       });

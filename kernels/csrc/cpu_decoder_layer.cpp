@@ -106,21 +106,24 @@ at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tenso
   return add_rms_norm_(x, mlp, after, eps);
 }
 
-// The KV a step's decode rows read, as byte offsets of blocks within one layer's K cache (the
-// same within its V cache): block j of every sequence before block j + 1 of any (so a budget cut
-// leaves each sequence its first blocks), up to `budget` bytes of K and V together.
+// The KV a step's decode rows read, as byte offsets from a layer's K cache, each block's keys then
+// its values (the same offsets in every layer: `in` only moves the base): block j of every
+// sequence before block j + 1 of any (so a budget cut leaves each sequence its first blocks), up
+// to `budget` bytes.
 struct DecodeKvBlocks {
   std::vector<int64_t> offsets;
-  int64_t block_bytes = 0;
+  int64_t block_lines = 0;
 
-  DecodeKvBlocks(const StepShape& step, const at::Tensor& k_cache, int64_t budget) {
+  // kv_cache [L, 2, blocks, S, Hkv, D], as decoder_layers_ takes it.
+  DecodeKvBlocks(const StepShape& step, const at::Tensor& kv_cache, int64_t budget) {
     const at::Tensor& tables = step.decode_block_tables;
     // decode_attention checks the metadata after this; a table it would refuse prefetches nothing.
     if (step.num_decode == 0 || budget <= 0 || tables.dim() != 2 || tables.scalar_type() != at::kInt ||
         tables.size(0) < step.num_decode || tables.stride(1) != 1)
       return;
-    block_bytes = k_cache.stride(0) * k_cache.element_size();
-    const int64_t block = k_cache.size(1);
+    const int64_t elem = kv_cache.element_size(), block_bytes = kv_cache.stride(2) * elem;
+    const int64_t values_at = kv_cache.stride(1) * elem, block = kv_cache.size(3);
+    block_lines = block_bytes / kLineBytes;
     const at::Tensor lens = step.decode_seq_lens.to(at::kInt).contiguous();
     const int32_t* lp = lens.data_ptr<int32_t>();
     const int32_t* tp = tables.data_ptr<int32_t>();
@@ -133,25 +136,17 @@ struct DecodeKvBlocks {
     for (int64_t j = 0; j < most; ++j) {
       for (int64_t b = 0; b < step.num_decode; ++b) {
         if (j >= blocks(b)) continue;
-        if (static_cast<int64_t>(offsets.size() + 1) * 2 * block_bytes > budget) return;
-        offsets.push_back(tp[b * tables.stride(0) + j] * block_bytes);
+        if (static_cast<int64_t>(offsets.size() + 2) * block_bytes > budget) return;
+        const int64_t at = tp[b * tables.stride(0) + j] * block_bytes;
+        offsets.push_back(at);
+        offsets.push_back(values_at + at);
       }
     }
   }
 
-  // Their lines in this layer's caches, each block's K then its V.
-  BackgroundPrefetch in(const at::Tensor& k_cache, const at::Tensor& v_cache) const {
-    BackgroundPrefetch bp;
-    if (offsets.empty()) return bp;
-    const char* k = static_cast<const char*>(k_cache.data_ptr());
-    const char* v = static_cast<const char*>(v_cache.data_ptr());
-    bp.spans.reserve(2 * offsets.size());
-    for (const int64_t off : offsets) {
-      bp.spans.push_back(k + off);
-      bp.spans.push_back(v + off);
-    }
-    bp.span_lines = block_bytes / kLineBytes;
-    return bp;
+  // Those lines in the layer whose K cache starts at `keys`.
+  BackgroundPrefetch in(const void* keys) const {
+    return {static_cast<const char*>(keys), offsets.data(), static_cast<int64_t>(offsets.size()), block_lines};
   }
 };
 
@@ -226,14 +221,13 @@ at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, at::TensorList 
   const bool large = !large_weights.empty() && tokens > large_above;
   at::Tensor h = rms_norm(x, layers > 0 ? weights[0] : final_norm, eps);
   const int64_t budget = layers > 1 ? kv_prefetch_budget(large ? large_weights[2] : weights[4], tokens) : 0;
-  const DecodeKvBlocks decode_kv(step, kv_cache.select(0, 0).select(0, 0), budget);
+  const DecodeKvBlocks decode_kv(step, kv_cache, budget);
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + kPerLayer * l;
     const at::Tensor* proj = large ? large_weights.data() + kProjections * l : w + 2;
     const at::Tensor& after = l + 1 < layers ? w[kPerLayer] : final_norm;  // the next layer's input norm
     const at::Tensor layer_cache = kv_cache.select(0, l);
-    const BackgroundPrefetch next_kv = l + 1 < layers ? decode_kv.in(kv_cache[l + 1][0], kv_cache[l + 1][1])
-                                                      : BackgroundPrefetch{};
+    const BackgroundPrefetch next_kv = l + 1 < layers ? decode_kv.in(kv_cache[l + 1].data_ptr()) : BackgroundPrefetch{};
     h = layer_from_normed(x, h, w[1], proj, after, positions, cos, sin, layer_cache.select(0, 0),
                           layer_cache.select(0, 1), slot_mapping, step, num_heads, num_kv_heads, head_dim,
                           intermediate_size, eps, scale, next_kv);

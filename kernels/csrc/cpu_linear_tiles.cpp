@@ -256,12 +256,14 @@ struct Avx512Bf16Chunks {
                   pdserve_cpu::PrefetchCursor& background) const {
     const int blocks = (rows + kRowBlock - 1) / kRowBlock;
     const bool ahead = from_memory && blocks > 1;
-    const char* after = reinterpret_cast<const char*>(w + steps * kStepElems);
+    static constexpr int64_t kAt[1] = {0};
     const int64_t lines = steps * kStepElems * static_cast<int64_t>(sizeof(bf16)) / pdserve_cpu::kLineBytes;
+    const pdserve_cpu::BackgroundPrefetch after{reinterpret_cast<const char*>(w + steps * kStepElems), kAt, 1, lines};
     for (int b = 0; b < blocks; ++b) {
       const int m = b * kRowBlock, n = std::min<int>(kRowBlock, rows - m);
       const auto block = from_memory && m == 0 ? rows_by_group_any<true> : rows_by_group_any<false>;
-      auto next = ahead ? pdserve_cpu::PrefetchCursor::contiguous(after, lines, b, blocks) : pdserve_cpu::PrefetchCursor();
+      auto next = ahead ? pdserve_cpu::PrefetchCursor(after, lines * b / blocks, lines * (b + 1) / blocks)
+                        : pdserve_cpu::PrefetchCursor();
       block(n, in.block(m0 + m), w, steps, acc + m * kGroup, background, next);
       next.rest();
     }

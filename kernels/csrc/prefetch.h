@@ -10,68 +10,57 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 namespace pdserve_cpu {
 
 constexpr int64_t kLineBytes = 64;
 
-// Spans of memory, span_lines cache lines each, prefetched in the order given.
+// Spans of memory at base + offsets[i] (bytes), span_lines cache lines each, prefetched in the
+// order given. The offsets are the same for every layer of a step (cpu_decoder_layer.cpp): only
+// the base moves.
 struct BackgroundPrefetch {
-  std::vector<const char*> spans;
-  int64_t span_lines = 0;
-  int64_t lines() const { return static_cast<int64_t>(spans.size()) * span_lines; }
+  const char* base = nullptr;
+  const int64_t* offsets = nullptr;
+  int64_t spans = 0, span_lines = 0;
+  int64_t lines() const { return spans * span_lines; }
 };
 
-// One thread's share of a BackgroundPrefetch, lines [begin, end): `one()` prefetches the next
-// line into L2 (a no-op once the share is done). Counters, not a division per line: it runs in
-// the kernels' inner loops.
+// Lines [begin, end) of a BackgroundPrefetch's spans, taken in order (a thread's share of them,
+// or a part of one weight): `one()` prefetches the next line into L2 (a no-op once they are
+// done). Counters, not a division per line: it runs in the kernels' inner loops. The offsets
+// must outlive the cursor.
 class PrefetchCursor {
  public:
   PrefetchCursor() = default;
-  PrefetchCursor(const BackgroundPrefetch* bp, int64_t begin, int64_t end) {
-    if (bp == nullptr || bp->span_lines == 0) return;
-    end = std::min(end, bp->lines());
-    if (begin >= end) return;
-    spans_ = bp->spans.data();
-    span_lines_ = bp->span_lines;
+  PrefetchCursor(const BackgroundPrefetch& bp, int64_t begin, int64_t end) {
+    end = std::min(end, bp.lines());
+    if (bp.span_lines <= 0 || begin >= end) return;
+    base_ = bp.base;
+    offsets_ = bp.offsets;
+    span_lines_ = bp.span_lines;
     span_ = begin / span_lines_;
     const int64_t offset = begin % span_lines_;
-    ptr_ = spans_[span_] + offset * kLineBytes;
+    ptr_ = base_ + offsets_[span_] + offset * kLineBytes;
     in_span_ = span_lines_ - offset;
     left_ = end - begin;
-  }
-  // Part `part` of `parts` equal parts of the `lines` lines from `start`.
-  static PrefetchCursor contiguous(const char* start, int64_t lines, int64_t part, int64_t parts) {
-    PrefetchCursor c;
-    const int64_t begin = lines * part / parts, end = lines * (part + 1) / parts;
-    if (begin >= end) return c;
-    c.ptr_ = start + begin * kLineBytes;
-    c.left_ = c.in_span_ = end - begin;
-    return c;
-  }
-  // Share `part` of `parts` equal shares of lines [first, last).
-  static PrefetchCursor share(const BackgroundPrefetch* bp, int64_t first, int64_t last, int64_t part,
-                              int64_t parts) {
-    const int64_t n = last - first;
-    return PrefetchCursor(bp, first + n * part / parts, first + n * (part + 1) / parts);
   }
   inline void one() {
     if (left_ == 0) return;
     __builtin_prefetch(ptr_, 0, 2);  // read, into L2 (x86: PREFETCHT1)
     ptr_ += kLineBytes;
     if (--left_ != 0 && --in_span_ == 0) {
-      ptr_ = spans_[++span_];
+      ptr_ = base_ + offsets_[++span_];
       in_span_ = span_lines_;
     }
   }
-  // Whatever of the share is left, at once.
+  // Whatever is left, at once.
   void rest() {
     while (left_ != 0) one();
   }
 
  private:
-  const char* const* spans_ = nullptr;
+  const char* base_ = nullptr;
+  const int64_t* offsets_ = nullptr;
   const char* ptr_ = nullptr;
   int64_t span_lines_ = 0, span_ = 0, in_span_ = 0, left_ = 0;
 };
@@ -81,8 +70,11 @@ class PrefetchCursor {
 struct PrefetchRange {
   const BackgroundPrefetch* bp = nullptr;
   int64_t first = 0, last = 0;
+  // Unit `part` of `parts`: an equal share of the range.
   PrefetchCursor share(int64_t part, int64_t parts) const {
-    return bp == nullptr ? PrefetchCursor() : PrefetchCursor::share(bp, first, last, part, parts);
+    if (bp == nullptr) return {};
+    const int64_t n = last - first;
+    return {*bp, first + n * part / parts, first + n * (part + 1) / parts};
   }
 };
 
