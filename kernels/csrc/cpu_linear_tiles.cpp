@@ -164,10 +164,14 @@ struct AmxChunks {
 //
 // `background` (the next layer's KV, prefetch.h) and `next` (the next group's weight) trickle
 // their lines one each per k pair, between the block's own loads.
-template <int R, bool Prefetch>
+//
+// The cursors are copied in and back out: through the references GCC kept their state in memory,
+// loaded and stored again at every k pair.
+template <int R, bool Prefetch, bool Trickle>
 void rows_by_group(const int32_t* x, const bf16* w, int64_t steps, float* acc,
-                   pdserve_cpu::PrefetchCursor& background, pdserve_cpu::PrefetchCursor& next) {
+                   pdserve_cpu::PrefetchCursor& background_, pdserve_cpu::PrefetchCursor& next_) {
   constexpr int64_t kAhead = 8 * kStepElems;
+  pdserve_cpu::PrefetchCursor background = background_, next = next_;
   __m512 c[R][2];
   for (int m = 0; m < R; ++m) c[m][0] = c[m][1] = _mm512_setzero_ps();
   for (int64_t s = 0; s < steps; ++s) {
@@ -179,8 +183,10 @@ void rows_by_group(const int32_t* x, const bf16* w, int64_t steps, float* acc,
         _mm_prefetch(reinterpret_cast<const char*>(b + kAhead + r * 64), _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(b + kAhead + r * 64 + 32), _MM_HINT_T1);
       }
-      background.one();
-      next.one();
+      if constexpr (Trickle) {
+        background.one();
+        next.one();
+      }
       const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + r * 64));
       const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + r * 64 + 32));
 #pragma GCC unroll 8
@@ -195,21 +201,36 @@ void rows_by_group(const int32_t* x, const bf16* w, int64_t steps, float* acc,
     _mm512_store_ps(acc + m * kGroup, c[m][0]);
     _mm512_store_ps(acc + m * kGroup + 16, c[m][1]);
   }
+  if constexpr (Trickle) {
+    background_ = background;
+    next_ = next;
+  }
+}
+
+// The kernel for `rows` rows, with the cursors' prefetches in its loop only where either has lines
+// to prefetch: most calls have none (every step of fewer than 16 rows), and their loop then holds
+// nothing but the weight's own loads, prefetches and products.
+template <bool Prefetch, bool Trickle>
+void rows_by_group_r(int rows, const int32_t* x, const bf16* w, int64_t steps, float* acc,
+                     pdserve_cpu::PrefetchCursor& background, pdserve_cpu::PrefetchCursor& next) {
+  switch (rows) {
+    case 1: return rows_by_group<1, Prefetch, Trickle>(x, w, steps, acc, background, next);
+    case 2: return rows_by_group<2, Prefetch, Trickle>(x, w, steps, acc, background, next);
+    case 3: return rows_by_group<3, Prefetch, Trickle>(x, w, steps, acc, background, next);
+    case 4: return rows_by_group<4, Prefetch, Trickle>(x, w, steps, acc, background, next);
+    case 5: return rows_by_group<5, Prefetch, Trickle>(x, w, steps, acc, background, next);
+    case 6: return rows_by_group<6, Prefetch, Trickle>(x, w, steps, acc, background, next);
+    case 7: return rows_by_group<7, Prefetch, Trickle>(x, w, steps, acc, background, next);
+    default: return rows_by_group<8, Prefetch, Trickle>(x, w, steps, acc, background, next);
+  }
 }
 
 template <bool Prefetch>
 void rows_by_group_any(int rows, const int32_t* x, const bf16* w, int64_t steps, float* acc,
                        pdserve_cpu::PrefetchCursor& background, pdserve_cpu::PrefetchCursor& next) {
-  switch (rows) {
-    case 1: return rows_by_group<1, Prefetch>(x, w, steps, acc, background, next);
-    case 2: return rows_by_group<2, Prefetch>(x, w, steps, acc, background, next);
-    case 3: return rows_by_group<3, Prefetch>(x, w, steps, acc, background, next);
-    case 4: return rows_by_group<4, Prefetch>(x, w, steps, acc, background, next);
-    case 5: return rows_by_group<5, Prefetch>(x, w, steps, acc, background, next);
-    case 6: return rows_by_group<6, Prefetch>(x, w, steps, acc, background, next);
-    case 7: return rows_by_group<7, Prefetch>(x, w, steps, acc, background, next);
-    default: return rows_by_group<8, Prefetch>(x, w, steps, acc, background, next);
-  }
+  if (background.active() || next.active())
+    return rows_by_group_r<Prefetch, true>(rows, x, w, steps, acc, background, next);
+  rows_by_group_r<Prefetch, false>(rows, x, w, steps, acc, background, next);
 }
 
 // x's rows as VDPBF16PS broadcasts them, packed once per call for every thread and group: blocks

@@ -44,15 +44,20 @@ class PrefetchCursor {
     in_span_ = span_lines_ - offset;
     left_ = end - begin;
   }
-  inline void one() {
+  // Forced inline: the kernels call it twice per k pair in loops unrolled 16 times, past GCC's
+  // inlining budget, and there an out-of-line call (through the PLT) spilled the accumulators
+  // to the stack and back around it, at every k pair.
+  __attribute__((always_inline)) inline void one() {
     if (left_ == 0) return;
     __builtin_prefetch(ptr_, 0, 2);  // read, into L2 (x86: PREFETCHT1)
     ptr_ += kLineBytes;
-    if (--left_ != 0 && --in_span_ == 0) {
+    if (__builtin_expect(--left_ != 0 && --in_span_ == 0, 0)) {
       ptr_ = base_ + offsets_[++span_];
       in_span_ = span_lines_;
     }
   }
+  // Whether any line is left: the kernels pick a loop without the cursors when none is.
+  bool active() const { return left_ != 0; }
   // Whatever is left, at once.
   void rest() {
     while (left_ != 0) one();
