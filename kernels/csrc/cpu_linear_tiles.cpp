@@ -240,9 +240,10 @@ void rows_by_group_any(int rows, const int32_t* x, const bf16* w, int64_t steps,
 // the k loop unrolled GCC kept them on the stack: 247 stack accesses in the 8-row kernel, loads
 // competing with the weight's and x's for the load ports.
 //
-// A whole block is an 8 x K/2 transpose of int32, 8 x 8 at a time in AVX2 registers; one int32 at a
-// time it took 5-15 us a call at 32 rows (K 576-1,536; 2-core Zen 4) on one thread while the other
-// waited, about 1 ms of a batch-32 decode step.
+// A whole block is an 8 x K/2 transpose of int32, 8 x 8 at a time in AVX2 registers. One int32 at
+// a time, on one thread while the other waited, it was about 1 ms of a batch-32 decode step: 32
+// rows through a one-group weight (packing, one group, dispatch) took 15.4 us at K 576 and 34.7 at
+// K 1,536, now 8.8 and 19.0 (2-core Zen 4).
 struct PairRows {
   // out[p * 8 + r] = pair p of row r (x's rows at stride ldx), for 8 rows; half_k % 8 == 0.
   static void transpose_block(const bf16* x, int64_t ldx, int64_t half_k, int32_t* out) {
