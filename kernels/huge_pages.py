@@ -74,6 +74,28 @@ def copies_on_huge_pages(tensors: list[torch.Tensor], align: int = 4096) -> list
     return copies
 
 
+def huge_page_share(t: torch.Tensor) -> float:
+    """The share of the memory mapping that holds `t`'s first byte backed by transparent huge pages:
+    its AnonHugePages over its size in /proc/self/smaps, 0.0 where that cannot be read (not Linux).
+    A zeros_on_huge_pages tensor's advised range is a mapping of its own (madvise splits it off)."""
+    if t.device.type != "cpu" or t.numel() == 0:
+        return 0.0
+    address = t.data_ptr()
+    try:
+        with open("/proc/self/smaps") as smaps:
+            size = 0
+            for line in smaps:
+                field = line.split(maxsplit=1)[0]
+                if not field.endswith(":"):  # a mapping's first line: start-end perms offset ...
+                    start, end = (int(a, 16) for a in field.split("-"))
+                    size = end - start if start <= address < end else 0
+                elif size and field == "AnonHugePages:":
+                    return int(line.split()[1]) * 1024 / size
+    except (OSError, ValueError) as e:
+        log.info("no huge page figures for a tensor: %s", e)
+    return 0.0
+
+
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable, their contents unchanged
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import cpu_linear
-from pdserve.kernels.huge_pages import copies_on_huge_pages
+from pdserve.kernels.huge_pages import copies_on_huge_pages, huge_page_share
 from pdserve.kernels.interface import AttentionBackend
 from pdserve.model.attention_metadata import AttentionMetadata
 from pdserve.model.config import ModelConfig
@@ -102,6 +102,10 @@ class Linear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return x @ self.weight.t()
 
+
+# The share of the packed weights' mapping on huge pages from which the tile kernels count them as
+# there (the mapping's tail past its last whole huge page never is).
+HUGE_PAGE_SHARE = 0.9
 
 CPU_LINEAR_ENV = "PDSERVE_CPU_LINEAR"  # auto (default), tiles (or its old name amx), pdserve, onednn or mkl
 
@@ -402,8 +406,12 @@ class LlamaForCausalLM(nn.Module):
         # The compiled kernels' copies, streamed whole at every decode step: on huge pages.
         name = "tiles" if layout.startswith("tiles") else layout  # the attribute the layout fills
         if name != "onednn":  # oneDNN's packed copies are opaque tensors: they stay where they are
-            for m, copy in zip(linears, copies_on_huge_pages([getattr(m, name) for m in linears]), strict=True):
+            copies = copies_on_huge_pages([getattr(m, name) for m in linears])
+            for m, copy in zip(linears, copies, strict=True):
                 setattr(m, name, copy)
+            if name == "tiles":  # one mapping: on huge pages, the smallest steps leave their stream to the hardware
+                on_huge = bool(copies) and huge_page_share(copies[0]) >= HUGE_PAGE_SHARE
+                ops.set_tile_weights_on_huge_pages(on_huge)  # type: ignore[union-attr]
         return len(linears)
 
     def tiles_fit(self) -> bool:

@@ -64,6 +64,26 @@ def test_the_tile_linear_computes_the_plain_matmul_to_bfloat16_rounding(ops, row
     assert ((got.double() - truth).abs() <= truth.abs() * 2**-8 + scale * 1e-6).all()
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
+def test_a_step_computes_the_same_bits_whether_or_not_the_weights_count_as_on_huge_pages(ops, rows):
+    """On huge pages, chunks of up to 4 rows leave their weight's stream to the hardware prefetcher
+    (cpu_linear_tiles.cpp, on the VDPBF16PS tiles); a prefetch changes no number."""
+    torch.manual_seed(rows)
+    w, x = torch.randn(200, 576).bfloat16(), torch.randn(rows, 576).bfloat16()
+    tiles = cpu_linear.pack_tiles(w)
+    before = ops.tile_weights_on_huge_pages()
+    outs = []
+    try:
+        for on in (False, True):
+            ops.set_tile_weights_on_huge_pages(on)
+            assert ops.tile_weights_on_huge_pages() == on
+            outs.append(cpu_linear.tile_linear(ops, x, tiles, 200))
+    finally:
+        ops.set_tile_weights_on_huge_pages(before)
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    torch.testing.assert_close(outs[0].float(), x.float() @ w.float().t(), atol=0.25, rtol=2**-6)
+
+
 def test_the_tile_linear_keeps_leading_dimensions(ops):
     w, x = torch.randn(48, 64).bfloat16(), torch.randn(2, 3, 64).bfloat16()
     got = cpu_linear.tile_linear(ops, x, cpu_linear.pack_tiles(w), 48)

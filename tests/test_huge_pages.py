@@ -5,6 +5,7 @@ here: the tensors are right, writable, and in mappings advised for huge pages.""
 from __future__ import annotations
 
 import gc
+import mmap
 import sys
 import weakref
 
@@ -15,6 +16,7 @@ from pdserve.kernels.huge_pages import (
     HUGE_PAGE,
     copies_on_huge_pages,
     fault_in_background,
+    huge_page_share,
     zeros_on_huge_pages,
 )
 
@@ -109,6 +111,24 @@ def test_copies_on_huge_pages_equal_their_originals_side_by_side_in_one_mapping(
 
 
 @linux
+def test_huge_page_share_is_the_mappings_huge_pages_over_its_size():
+    big = zeros_on_huge_pages((8 * HUGE_PAGE,), torch.uint8).fill_(1)  # touched: its pages are in
+    anon, size = smaps_field(big.data_ptr(), "AnonHugePages"), smaps_field(big.data_ptr(), "Size")
+    assert anon is not None and size is not None
+    assert huge_page_share(big) == pytest.approx(int(anon[0]) / int(size[0]))
+    assert huge_page_share(big[HUGE_PAGE:]) == huge_page_share(big)  # any tensor in the mapping
+    # A mapping advised against huge pages has none; an empty tensor holds no memory.
+    plain = mmap.mmap(-1, 4 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    plain.madvise(mmap.MADV_NOHUGEPAGE)
+    t = torch.frombuffer(plain, dtype=torch.uint8)
+    t.fill_(1)
+    assert huge_page_share(t) == 0.0
+    assert huge_page_share(torch.empty(0)) == 0.0
+    del t
+    plain.close()
+
+
+@linux
 @pytest.mark.parametrize("layout, attr, dtype", [("tiles", "tiles", "bfloat16"), ("panels", "panels", "float32")])
 def test_packed_weights_of_the_compiled_matmuls_share_one_huge_page_mapping(tiny, ops, layout, attr, dtype):
     from pdserve.config.engine import EngineConfig
@@ -124,6 +144,10 @@ def test_packed_weights_of_the_compiled_matmuls_share_one_huge_page_mapping(tiny
     first = min(p.data_ptr() for p in packed)
     assert all(0 <= p.data_ptr() - first < span for p in packed)
     assert ("hg" in (vm_flags(first) or [])) == (thp_policy() is not None)
+    if layout == "tiles":  # the tile kernels are told whether the stream can be left to the hardware
+        from pdserve.model.llama import HUGE_PAGE_SHARE
+
+        assert ops.tile_weights_on_huge_pages() == (huge_page_share(packed[0]) >= HUGE_PAGE_SHARE)
     x = {m.weight.shape[1]: torch.randn(3, m.weight.shape[1]).to(m.weight.dtype) for m in linears}
     for m in linears:  # the moved copies still compute each projection
         want = (x[m.weight.shape[1]].float() @ weights[id(m)].float().t())

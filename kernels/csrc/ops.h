@@ -71,5 +71,10 @@ bool tile_fuses_silu_mul(const at::Tensor& packed, int64_t intermediate);
 bool tile_linear_uses_amx();
 // What runs the tile kernels here: "amx", "avx512_bf16" or "portable" (amx.h).
 std::string tile_kernel();
+// Whether the weights the tile kernels read lie on transparent huge pages: there the smallest
+// steps leave the weight's stream to the hardware prefetcher (cpu_linear_tiles.cpp). Process-wide,
+// false (prefetch) until the model that packs them says so (model/llama.py pack_cpu_linears).
+bool tile_weights_on_huge_pages();
+void set_tile_weights_on_huge_pages(bool on);
 
 }  // namespace pdserve_cpu
