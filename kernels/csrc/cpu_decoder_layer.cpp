@@ -107,12 +107,14 @@ at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tenso
 }
 
 // The KV a step's decode rows read, as byte offsets from a layer's K cache, each block's keys then
-// its values (the same offsets in every layer: `in` only moves the base): block j of every
+// its values (the same offsets in every layer: `layer` only moves the base): block j of every
 // sequence before block j + 1 of any (so a budget cut leaves each sequence its first blocks), up
 // to `budget` bytes.
 struct DecodeKvBlocks {
   std::vector<int64_t> offsets;
   int64_t block_lines = 0;
+  const char* cache = nullptr;  // layer 0's K cache
+  int64_t layer_bytes = 0;
 
   // kv_cache [L, 2, blocks, S, Hkv, D], as decoder_layers_ takes it.
   DecodeKvBlocks(const StepShape& step, const at::Tensor& kv_cache, int64_t budget) {
@@ -124,6 +126,8 @@ struct DecodeKvBlocks {
     const int64_t elem = kv_cache.element_size(), block_bytes = kv_cache.stride(2) * elem;
     const int64_t values_at = kv_cache.stride(1) * elem, block = kv_cache.size(3);
     block_lines = block_bytes / kLineBytes;
+    cache = static_cast<const char*>(kv_cache.data_ptr());
+    layer_bytes = kv_cache.stride(0) * elem;
     const at::Tensor lens = step.decode_seq_lens.to(at::kInt).contiguous();
     const int32_t* lp = lens.data_ptr<int32_t>();
     const int32_t* tp = tables.data_ptr<int32_t>();
@@ -144,9 +148,9 @@ struct DecodeKvBlocks {
     }
   }
 
-  // Those lines in the layer whose K cache starts at `keys`.
-  BackgroundPrefetch in(const void* keys) const {
-    return {static_cast<const char*>(keys), offsets.data(), static_cast<int64_t>(offsets.size()), block_lines};
+  // Those lines in layer l (none where no block was taken).
+  BackgroundPrefetch layer(int64_t l) const {
+    return {cache + l * layer_bytes, offsets.data(), static_cast<int64_t>(offsets.size()), block_lines};
   }
 };
 
@@ -227,7 +231,7 @@ at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, at::TensorList 
     const at::Tensor* proj = large ? large_weights.data() + kProjections * l : w + 2;
     const at::Tensor& after = l + 1 < layers ? w[kPerLayer] : final_norm;  // the next layer's input norm
     const at::Tensor layer_cache = kv_cache.select(0, l);
-    const BackgroundPrefetch next_kv = l + 1 < layers ? decode_kv.in(kv_cache[l + 1].data_ptr()) : BackgroundPrefetch{};
+    const BackgroundPrefetch next_kv = l + 1 < layers ? decode_kv.layer(l + 1) : BackgroundPrefetch{};
     h = layer_from_normed(x, h, w[1], proj, after, positions, cos, sin, layer_cache.select(0, 0),
                           layer_cache.select(0, 1), slot_mapping, step, num_heads, num_kv_heads, head_dim,
                           intermediate_size, eps, scale, next_kv);
