@@ -154,6 +154,22 @@ inline bool next_tile_spans(const T* kp, const T* vp, const int64_t* rows, int64
   return true;
 }
 
+// Where the next tile's slots are not contiguous: lines [from, to) of the run of slots from `slot`
+// on, each slot its keys' `lines` lines then its values', prefetched into L2 (slots from ctx on
+// skipped). A product of the tile prefetches its part of one slot (`scores`) or of two
+// (`scores_pairs`).
+template <typename T>
+inline void prefetch_slot_lines(const T* kp, const T* vp, const int64_t* rows, int64_t ctx, int64_t slot,
+                                int64_t lines, int64_t from, int64_t to) {
+  for (int64_t l = from; l < to; ++l) {
+    int64_t s = slot, at = l;
+    for (; at >= 2 * lines; at -= 2 * lines) ++s;
+    if (s >= ctx) return;
+    const T* row = at < lines ? kp + rows[s] : vp + rows[s];
+    _mm_prefetch(reinterpret_cast<const char*>(row) + 64 * (at < lines ? at : at - lines), _MM_HINT_T1);
+  }
+}
+
 // scores[(h G + g) ctx + pos] = scale * (q[h G + g] . k_h[pos]) for the item's `heads` KV heads;
 // rows[pos] is the offset of the first head's row at pos, head h's row is rows[pos] + h d; vp is
 // the value cache, only prefetched here.
@@ -176,11 +192,8 @@ void scores(const Dot& dot, const T* kp, const T* vp, const int64_t* rows, int64
       for (int64_t j = 0; j < n; ++j) {
         if (spans) {
           span.some(span_per);
-        } else if (ahead < ctx) {
-          const char* k_at = reinterpret_cast<const char*>(kp + rows[ahead]);
-          const char* v_at = reinterpret_cast<const char*>(vp + rows[ahead]);
-          for (int64_t l = part * per; l < std::min(2 * lines, (part + 1) * per); ++l)
-            _mm_prefetch(l < lines ? k_at + 64 * l : v_at + 64 * (l - lines), _MM_HINT_T1);
+        } else {
+          prefetch_slot_lines(kp, vp, rows, ctx, ahead, lines, part * per, std::min(2 * lines, (part + 1) * per));
         }
         if (++part == heads) part = 0, ++ahead;
         __m512 out[G];
@@ -273,15 +286,8 @@ void scores_pairs(const c10::BFloat16* q, const c10::BFloat16* kp, const c10::BF
       for (int64_t jj = 0; 2 * jj < n; ++jj) {
         if (spans) {
           span.some(span_per);
-        } else if (ahead < ctx) {
-          for (int64_t l = part * per; l < std::min(4 * lines, (part + 1) * per); ++l) {
-            const bool second = l >= 2 * lines;
-            const int64_t slot = ahead + second, at = second ? l - 2 * lines : l;
-            if (slot < ctx) {
-              const char* base = reinterpret_cast<const char*>(at < lines ? kp + rows[slot] : vp + rows[slot]);
-              _mm_prefetch(base + 64 * (at < lines ? at : at - lines), _MM_HINT_T1);
-            }
-          }
+        } else {
+          prefetch_slot_lines(kp, vp, rows, ctx, ahead, lines, part * per, std::min(4 * lines, (part + 1) * per));
         }
         if (++part == heads) part = 0, ahead += 2;
         const int64_t j0 = pos0 + 2 * jj, j1 = 2 * jj + 1 < n ? j0 + 1 : j0;  // a lone last position twice
