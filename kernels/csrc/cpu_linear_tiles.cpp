@@ -307,10 +307,11 @@ struct PairRows {
 // A chunk of up to kHardwareStreamRows rows leaves out the prefetch of its own weight where the
 // weights lie on transparent huge pages (`tile_weights_on_huge_pages`): there the hardware
 // prefetcher streams them faster than with the 16 KiB-ahead prefetches, whose two instructions
-// per k pair are a large part of such a small chunk's work. Engine decode steps on a 2-core Zen 4 (SmolLM2, context 256), in-process A/B
-// rounds: batch 1 11.2-11.4 -> 10.7 ms (won 15 of 20 rounds, twice), batch 2 12.8 -> 11.7 (11 of
-// 12), batch 4 13.3 -> 11.8 (11 of 12); at 6 and 8 rows even (5-7 of 12). One thread streaming a
-// 226 MB weight read 24-25 GB/s without them and 18-20 with; on 4 KiB pages they help (15 -> 18).
+// per k pair are a large part of such a small chunk's work. Engine decode steps on a 2-core Zen 4
+// (SmolLM2, context 256), in-process A/B rounds: batch 1 11.0-11.4 -> 9.9-10.7 ms (won 14-15 of
+// 16-20 rounds, three runs), batch 2 12.8 -> 11.7 (11 of 12), batch 4 13.3-13.9 -> 11.8-13.2 (10-11
+// of 12); at 6 and 8 rows even (5-7 of 12). One thread streaming a 226 MB weight read 24-25 GB/s
+// without them and 18-20 with; on 4 KiB pages they help (15 -> 18).
 constexpr int kHardwareStreamRows = 4;
 
 struct Avx512Bf16Chunks {
