@@ -187,10 +187,11 @@ def test_compiled_prefill_refuses_mismatched_keys_and_other_dtypes(backend):
 
 
 @pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
 def test_bfloat16_prefill_on_tiles_is_attention_within_bfloat16_rounding(backend, group, head_dim):
     """bfloat16 prefill through the tile kernel (cpu_prefill_tiles.cpp; AMX where the CPU has it,
-    else its emulation): whole prompts and prompts over a cached prefix, lengths below, at and
+    else register blocks of VDPBF16PS where it has AVX512-BF16, else the tiles' emulation; head
+    sizes of one, two, three and four 32-wide steps): whole prompts and prompts over a cached prefix, lengths below, at and
     across the 32-row chunks and 32-key steps, packed in one step, against the float64 oracle."""
     case = make_case([1, 5, 32, 33, 70, 3], [0, 0, 0, 17, 40, 100], num_kv_heads=2, group=group,
                      head_dim=head_dim, block_size=16, dtype=torch.bfloat16, seed=7)

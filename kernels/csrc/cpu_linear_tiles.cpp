@@ -241,16 +241,21 @@ void rows_by_group_any(int rows, const int32_t* x, const bf16* w, int64_t steps,
 // the k loop unrolled GCC kept them on the stack: 247 stack accesses in the 8-row kernel, loads
 // competing with the weight's and x's for the load ports.
 //
-// A whole block is an 8 x K/2 transpose of int32, 8 x 8 at a time in AVX2 registers. One int32 at
-// a time, on one thread while the other waited, it was about 1 ms of a batch-32 decode step: 32
-// rows through a one-group weight (packing, one group, dispatch) took 15.4 us at K 576 and 34.7 at
-// K 1,536, now 8.8 and 19.0 (2-core Zen 4).
+// A block is an 8 x K/2 transpose of int32, 8 x 8 at a time in AVX2 registers, its rows past x's
+// last zero. One int32 at a time, on one thread while the other waited, it was about 1 ms of a
+// batch-32 decode step: 32 rows through a one-group weight (packing, one group, dispatch) took
+// 15.4 us at K 576 and 34.7 at K 1,536, now 8.8 and 19.0 (2-core Zen 4). A last, partial block
+// went the old way until the transpose took it too: 4 rows at K 1,536 5.75 -> 4.79 us (the call
+// from Python included; 1 row even, 3.3 us at K 576).
 struct PairRows {
-  // out[p * 8 + r] = pair p of row r (x's rows at stride ldx), for 8 rows; half_k % 8 == 0.
-  static void transpose_block(const bf16* x, int64_t ldx, int64_t half_k, int32_t* out) {
+  // out[p * 8 + r] = pair p of row r (x's rows at stride ldx) for the block's first `rows` rows,
+  // zero for the rest of its 8; half_k % 8 == 0.
+  static void transpose_block(const bf16* x, int64_t ldx, int64_t rows, int64_t half_k, int32_t* out) {
     for (int64_t p = 0; p < half_k; p += 8) {
       __m256i r[8];
-      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * ldx + 2 * p));
+      for (int i = 0; i < 8; ++i)
+        r[i] = i < rows ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * ldx + 2 * p))
+                        : _mm256_setzero_si256();
       __m256i t[8], u[8];
       for (int i = 0; i < 4; ++i) {  // pairs (j, j + 1) of rows 2i, 2i + 1, j even, per 128-bit lane
         t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
@@ -280,15 +285,7 @@ struct PairRows {
     at::parallel_for(0, pairs.size(0), grain, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         const int64_t rows = std::min<int64_t>(kRowBlock, m - b * kRowBlock);
-        int32_t* block = out + b * half_k * kRowBlock;
-        if (rows == kRowBlock) {
-          transpose_block(x + b * kRowBlock * ldx, ldx, half_k, block);
-          continue;
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          const bf16* xr = x + (b * kRowBlock + r) * ldx;
-          for (int64_t p = 0; p < half_k; ++p) std::memcpy(block + p * kRowBlock + r, xr + 2 * p, sizeof(int32_t));
-        }
+        transpose_block(x + b * kRowBlock * ldx, ldx, rows, half_k, out + b * half_k * kRowBlock);
       }
     });
   }
