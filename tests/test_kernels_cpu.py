@@ -58,22 +58,23 @@ def test_decode_over_page_sizes_and_lengths(backend, block_size, ctx):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64])
 def test_many_sequences_one_thread_each_reading_whole_slots(backend, dtype, head_dim):
-    """With at least 4 sequences per thread, a work item is a whole sequence (every KV head of a
+    """With at least one sequence per thread, a work item is a whole sequence (every KV head of a
     slot in one pass, on AVX-512 CPUs): the same answers as one item per KV head."""
     lens = [1, 2, 15, 16, 17, 31, 33, 64, 100, 129, 257, 300]
     case = decode_case(lens, group=3, head_dim=head_dim, block_size=16, num_kv_heads=3, dtype=dtype, seed=11)
     threads = torch.get_num_threads()
+    q = case.decode_q
     try:
         torch.set_num_threads(1)
         whole = run(backend, case)
+        torch.set_num_threads(2)  # one sequence a call, fewer than the threads: one item per KV head
+        per_head = torch.cat([
+            backend.decode_attention(q[i:i + 1], case.k_cache, case.v_cache, case.seq_lens[i:i + 1],
+                                     case.block_tables[i:i + 1], case.scale)
+            for i in range(len(lens))
+        ])
     finally:
         torch.set_num_threads(threads)
-    q = case.decode_q
-    per_head = torch.cat([  # one sequence a call: one item per KV head
-        backend.decode_attention(q[i:i + 1], case.k_cache, case.v_cache, case.seq_lens[i:i + 1],
-                                 case.block_tables[i:i + 1], case.scale)
-        for i in range(len(lens))
-    ])
     torch.testing.assert_close(whole, per_head, atol=0, rtol=0)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(whole.double(), oracle(case).to(whole.dtype).double(), atol=tol, rtol=tol)
