@@ -64,6 +64,25 @@ def test_the_tile_linear_computes_the_plain_matmul_to_bfloat16_rounding(ops, row
     assert ((got.double() - truth).abs() <= truth.abs() * 2**-8 + scale * 1e-6).all()
 
 
+def test_one_row_is_read_where_it_lies_even_two_bytes_off_a_pair(ops):
+    """A single row goes to the kernel as it is, without the 8-row packing, from wherever it starts
+    (here one element into a row, so its pairs sit 2 bytes off 4): the same bits as the same row
+    packed alongside others."""
+    torch.manual_seed(3)
+    weight = torch.randn(96, 64).bfloat16()
+    packed = cpu_linear.pack_tiles(weight)
+    rows = torch.randn(3, 65).bfloat16()
+    one = rows[0:1, 1:]  # data at an odd element offset
+    assert one.data_ptr() % 4 == 2
+    with torch.inference_mode():
+        alone = ops.tile_linear(one, packed, 96)
+        among = ops.tile_linear(rows[:, 1:], packed, 96)[0:1]
+    assert torch.equal(alone, among)
+    truth = one.double() @ weight.double().t()
+    scale = one.double().abs() @ weight.double().abs().t()
+    assert ((alone.double() - truth).abs() <= truth.abs() * 2**-8 + scale * 1e-6).all()
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
 def test_a_step_computes_the_same_bits_whether_or_not_the_weights_count_as_on_huge_pages(ops, rows):
     """On huge pages, chunks of up to 4 rows leave their weight's stream to the hardware prefetcher

@@ -168,7 +168,10 @@ struct AmxChunks {
 //
 // The cursors are copied in and back out: through the references GCC kept their state in memory,
 // loaded and stored again at every k pair.
-template <int R, bool Prefetch, bool Trickle>
+//
+// x holds each k pair of the R rows side by side, Pitch pairs from one k pair to the next: a
+// PairRows block (Pitch 8), or one row of x as it lies (R 1, Pitch 1).
+template <int R, int Pitch, bool Prefetch, bool Trickle>
 void rows_by_group(const int32_t* x, const bf16* w, int64_t steps, float* acc,
                    pdserve_cpu::PrefetchCursor& background_, pdserve_cpu::PrefetchCursor& next_) {
   constexpr int64_t kAhead = 8 * kStepElems;
@@ -177,7 +180,7 @@ void rows_by_group(const int32_t* x, const bf16* w, int64_t steps, float* acc,
   for (int m = 0; m < R; ++m) c[m][0] = c[m][1] = _mm512_setzero_ps();
   for (int64_t s = 0; s < steps; ++s) {
     const bf16* b = w + s * kStepElems;
-    const int32_t* xs = x + s * (kStep / 2) * kRowBlock;
+    const int32_t* xs = x + s * (kStep / 2) * Pitch;
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) {
       if (Prefetch) {
@@ -192,7 +195,7 @@ void rows_by_group(const int32_t* x, const bf16* w, int64_t steps, float* acc,
       const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + r * 64 + 32));
 #pragma GCC unroll 8
       for (int m = 0; m < R; ++m) {
-        const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xs[r * kRowBlock + m]));
+        const __m512bh a = pdserve_amx::broadcast_pair(xs + r * Pitch + m);
         c[m][0] = _mm512_dpbf16_ps(c[m][0], a, w0);
         c[m][1] = _mm512_dpbf16_ps(c[m][1], a, w1);
       }
@@ -212,26 +215,28 @@ void rows_by_group(const int32_t* x, const bf16* w, int64_t steps, float* acc,
 // to prefetch: most calls have none (every step of fewer than 16 rows), and their loop then holds
 // nothing but the weight's own loads, prefetches and products.
 template <bool Prefetch, bool Trickle>
-void rows_by_group_r(int rows, const int32_t* x, const bf16* w, int64_t steps, float* acc,
+void rows_by_group_r(int rows, const int32_t* x, int pitch, const bf16* w, int64_t steps, float* acc,
                      pdserve_cpu::PrefetchCursor& background, pdserve_cpu::PrefetchCursor& next) {
+  if (pitch == 1) return rows_by_group<1, 1, Prefetch, Trickle>(x, w, steps, acc, background, next);
+  constexpr int P = kRowBlock;
   switch (rows) {
-    case 1: return rows_by_group<1, Prefetch, Trickle>(x, w, steps, acc, background, next);
-    case 2: return rows_by_group<2, Prefetch, Trickle>(x, w, steps, acc, background, next);
-    case 3: return rows_by_group<3, Prefetch, Trickle>(x, w, steps, acc, background, next);
-    case 4: return rows_by_group<4, Prefetch, Trickle>(x, w, steps, acc, background, next);
-    case 5: return rows_by_group<5, Prefetch, Trickle>(x, w, steps, acc, background, next);
-    case 6: return rows_by_group<6, Prefetch, Trickle>(x, w, steps, acc, background, next);
-    case 7: return rows_by_group<7, Prefetch, Trickle>(x, w, steps, acc, background, next);
-    default: return rows_by_group<8, Prefetch, Trickle>(x, w, steps, acc, background, next);
+    case 1: return rows_by_group<1, P, Prefetch, Trickle>(x, w, steps, acc, background, next);
+    case 2: return rows_by_group<2, P, Prefetch, Trickle>(x, w, steps, acc, background, next);
+    case 3: return rows_by_group<3, P, Prefetch, Trickle>(x, w, steps, acc, background, next);
+    case 4: return rows_by_group<4, P, Prefetch, Trickle>(x, w, steps, acc, background, next);
+    case 5: return rows_by_group<5, P, Prefetch, Trickle>(x, w, steps, acc, background, next);
+    case 6: return rows_by_group<6, P, Prefetch, Trickle>(x, w, steps, acc, background, next);
+    case 7: return rows_by_group<7, P, Prefetch, Trickle>(x, w, steps, acc, background, next);
+    default: return rows_by_group<8, P, Prefetch, Trickle>(x, w, steps, acc, background, next);
   }
 }
 
 template <bool Prefetch>
-void rows_by_group_any(int rows, const int32_t* x, const bf16* w, int64_t steps, float* acc,
+void rows_by_group_any(int rows, const int32_t* x, int pitch, const bf16* w, int64_t steps, float* acc,
                        pdserve_cpu::PrefetchCursor& background, pdserve_cpu::PrefetchCursor& next) {
   if (background.active() || next.active())
-    return rows_by_group_r<Prefetch, true>(rows, x, w, steps, acc, background, next);
-  rows_by_group_r<Prefetch, false>(rows, x, w, steps, acc, background, next);
+    return rows_by_group_r<Prefetch, true>(rows, x, pitch, w, steps, acc, background, next);
+  rows_by_group_r<Prefetch, false>(rows, x, pitch, w, steps, acc, background, next);
 }
 
 // x's rows as VDPBF16PS broadcasts them, packed once per call for every thread and group: blocks
@@ -247,6 +252,13 @@ void rows_by_group_any(int rows, const int32_t* x, const bf16* w, int64_t steps,
 // 15.4 us at K 576 and 34.7 at K 1,536, now 8.8 and 19.0 (2-core Zen 4). A last, partial block
 // went the old way until the transpose took it too: 4 rows at K 1,536 5.75 -> 4.79 us (the call
 // from Python included; 1 row even, 3.3 us at K 576).
+//
+// One row is not packed at all: its pairs already lie one after the other, and the kernel reads
+// them where they are (Pitch 1). Packed, every k pair took a 32-byte slot of a buffer the weight's
+// stream had pushed out of the caches, so the packing waited on DRAM for K/16 lines of it at
+// every call: 4.4% of the main thread's samples at batch 1. Engine decode steps at batch 1 on a
+// 2-core Zen 4, in-process A/B rounds of 40 steps each way: 12.7-12.9 -> 11.5-11.6 ms, won 31 of
+// 32 rounds (two runs).
 struct PairRows {
   // out[p * 8 + r] = pair p of row r (x's rows at stride ldx) for the block's first `rows` rows,
   // zero for the rest of its 8; half_k % 8 == 0.
@@ -275,10 +287,15 @@ struct PairRows {
     }
   }
 
-  at::Tensor pairs;  // int32 [ceil(M / 8), K / 2, 8]
+  at::Tensor pairs;  // int32 [ceil(M / 8), K / 2, 8]; undefined for one row
   int64_t half_k;
-  PairRows(const bf16* x, int64_t ldx, int64_t m, int64_t k)
-      : pairs(at::empty({(m + kRowBlock - 1) / kRowBlock, k / 2, kRowBlock}, at::kInt)), half_k(k / 2) {
+  const int32_t* single = nullptr;  // one row: x itself, whose pairs lie one after the other
+  PairRows(const bf16* x, int64_t ldx, int64_t m, int64_t k) : half_k(k / 2) {
+    if (m == 1) {
+      single = reinterpret_cast<const int32_t*>(x);
+      return;
+    }
+    pairs = at::empty({(m + kRowBlock - 1) / kRowBlock, k / 2, kRowBlock}, at::kInt);
     int32_t* out = pairs.data_ptr<int32_t>();
     // Decode-sized x packs on the calling thread: a fork and join (about 4 us) costs more.
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (half_k * kRowBlock));
@@ -289,7 +306,11 @@ struct PairRows {
       }
     });
   }
-  const int32_t* block(int64_t m0) const { return pairs.data_ptr<int32_t>() + m0 / kRowBlock * half_k * kRowBlock; }
+  const int32_t* block(int64_t m0) const {
+    return single != nullptr ? single : pairs.data_ptr<int32_t>() + m0 / kRowBlock * half_k * kRowBlock;
+  }
+  // Pairs from one k pair to the next in block(m0).
+  int pitch() const { return single != nullptr ? 1 : static_cast<int>(kRowBlock); }
 };
 
 // One thread's multiplies with VDPBF16PS: a chunk's rows in blocks of 8. The block that reads
@@ -328,7 +349,7 @@ struct Avx512Bf16Chunks {
       const auto block = own && m == 0 ? rows_by_group_any<true> : rows_by_group_any<false>;
       auto next = ahead ? pdserve_cpu::PrefetchCursor(after, lines * b / blocks, lines * (b + 1) / blocks)
                         : pdserve_cpu::PrefetchCursor();
-      block(n, in.block(m0 + m), w, steps, acc + m * kGroup, background, next);
+      block(n, in.block(m0 + m), in.pitch(), w, steps, acc + m * kGroup, background, next);
       next.rest();
     }
   }
