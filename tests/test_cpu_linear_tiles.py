@@ -46,7 +46,7 @@ def test_the_kernel_runs_on_amx_where_the_cpu_has_it_else_on_avx512_bf16_else_th
     assert cpu_linear.tile_kernel(None) == "none" and not cpu_linear.tiles_run(None)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 5, 16, 17, 32, 33, 70, 300])  # 300 x 1024: two L2 row blocks
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 16, 17, 32, 33, 70, 300])  # 300 x 1024: two L2 row blocks
 @pytest.mark.parametrize("out_features,in_features", [(32, 32), (200, 64), (17, 96), (1, 32), (96, 1024)])
 def test_the_tile_linear_computes_the_plain_matmul_to_bfloat16_rounding(ops, rows, out_features, in_features):
     torch.manual_seed(rows * 7 + out_features)
@@ -64,22 +64,23 @@ def test_the_tile_linear_computes_the_plain_matmul_to_bfloat16_rounding(ops, row
     assert ((got.double() - truth).abs() <= truth.abs() * 2**-8 + scale * 1e-6).all()
 
 
-def test_one_row_is_read_where_it_lies_even_two_bytes_off_a_pair(ops):
-    """A single row goes to the kernel as it is, without the 8-row packing, from wherever it starts
-    (here one element into a row, so its pairs sit 2 bytes off 4): the same bits as the same row
-    packed alongside others."""
-    torch.manual_seed(3)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_a_few_rows_give_the_bits_they_give_among_eight_even_two_bytes_off_a_pair(ops, rows):
+    """One row goes to the kernel as it lies, without packing, and 2 to 4 rows packed only as wide
+    as they need (2 or 4 pairs a k pair, not 8), from wherever they start (here one element into
+    a row, so their pairs sit 2 bytes off 4): the same bits as the same rows among 8."""
+    torch.manual_seed(3 + rows)
     weight = torch.randn(96, 64).bfloat16()
     packed = cpu_linear.pack_tiles(weight)
-    rows = torch.randn(3, 65).bfloat16()
-    one = rows[0:1, 1:]  # data at an odd element offset
-    assert one.data_ptr() % 4 == 2
+    eight = torch.randn(8, 65).bfloat16()[:, 1:]
+    few = eight[:rows]
+    assert few.data_ptr() % 4 == 2
     with torch.inference_mode():
-        alone = ops.tile_linear(one, packed, 96)
-        among = ops.tile_linear(rows[:, 1:], packed, 96)[0:1]
+        alone = ops.tile_linear(few, packed, 96)
+        among = ops.tile_linear(eight, packed, 96)[:rows]
     assert torch.equal(alone, among)
-    truth = one.double() @ weight.double().t()
-    scale = one.double().abs() @ weight.double().abs().t()
+    truth = few.double() @ weight.double().t()
+    scale = few.double().abs() @ weight.double().abs().t()
     assert ((alone.double() - truth).abs() <= truth.abs() * 2**-8 + scale * 1e-6).all()
 
 

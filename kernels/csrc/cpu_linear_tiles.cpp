@@ -170,7 +170,7 @@ struct AmxChunks {
 // loaded and stored again at every k pair.
 //
 // x holds each k pair of the R rows side by side, Pitch pairs from one k pair to the next: a
-// PairRows block (Pitch 8), or one row of x as it lies (R 1, Pitch 1).
+// PairRows block (Pitch 8, or 2 or 4 for that few rows), or one row of x as it lies (Pitch 1).
 template <int R, int Pitch, bool Prefetch, bool Trickle>
 void rows_by_group(const int32_t* x, const bf16* w, int64_t steps, float* acc,
                    pdserve_cpu::PrefetchCursor& background_, pdserve_cpu::PrefetchCursor& next_) {
@@ -218,6 +218,18 @@ template <bool Prefetch, bool Trickle>
 void rows_by_group_r(int rows, const int32_t* x, int pitch, const bf16* w, int64_t steps, float* acc,
                      pdserve_cpu::PrefetchCursor& background, pdserve_cpu::PrefetchCursor& next) {
   if (pitch == 1) return rows_by_group<1, 1, Prefetch, Trickle>(x, w, steps, acc, background, next);
+  if (pitch == 2) {
+    if (rows == 1) return rows_by_group<1, 2, Prefetch, Trickle>(x, w, steps, acc, background, next);
+    return rows_by_group<2, 2, Prefetch, Trickle>(x, w, steps, acc, background, next);
+  }
+  if (pitch == 4) {
+    switch (rows) {
+      case 1: return rows_by_group<1, 4, Prefetch, Trickle>(x, w, steps, acc, background, next);
+      case 2: return rows_by_group<2, 4, Prefetch, Trickle>(x, w, steps, acc, background, next);
+      case 3: return rows_by_group<3, 4, Prefetch, Trickle>(x, w, steps, acc, background, next);
+      default: return rows_by_group<4, 4, Prefetch, Trickle>(x, w, steps, acc, background, next);
+    }
+  }
   constexpr int P = kRowBlock;
   switch (rows) {
     case 1: return rows_by_group<1, P, Prefetch, Trickle>(x, w, steps, acc, background, next);
@@ -258,7 +270,9 @@ void rows_by_group_any(int rows, const int32_t* x, int pitch, const bf16* w, int
 // stream had pushed out of the caches, so the packing waited on DRAM for K/16 lines of it at
 // every call: 4.4% of the main thread's samples at batch 1. Engine decode steps at batch 1 on a
 // 2-core Zen 4, in-process A/B rounds of 40 steps each way: 12.7-12.9 -> 11.5-11.6 ms, won 31 of
-// 32 rounds (two runs).
+// 32 rounds (two runs). Two to four rows pack into a block only as wide as they need, 2 or 4
+// pairs a k pair: batch 2 10.5-12.1 -> 10.1-11.4 ms (won 9 of 12 and 13 of 16 rounds), batch 3
+// 13.0 -> 12.9 (9 of 12), batch 4 13.5-13.7 -> 13.0-13.8 (7 of 12, 12 of 16).
 struct PairRows {
   // out[p * 8 + r] = pair p of row r (x's rows at stride ldx) for the block's first `rows` rows,
   // zero for the rest of its 8; half_k % 8 == 0.
@@ -287,12 +301,54 @@ struct PairRows {
     }
   }
 
-  at::Tensor pairs;  // int32 [ceil(M / 8), K / 2, 8]; undefined for one row
+  // out[p * P + r] = pair p of row r for the first `rows` (<= P) of x's rows, zero for the rest of
+  // the P, P 2 or 4; half_k % 8 == 0. The same unpacks as transpose_block's, on fewer rows.
+  template <int P>
+  static void transpose_few(const bf16* x, int64_t ldx, int64_t rows, int64_t half_k, int32_t* out) {
+    static_assert(P == 2 || P == 4, "2 or 4 rows");
+    for (int64_t p = 0; p < half_k; p += 8) {
+      __m256i r[P];
+      for (int i = 0; i < P; ++i)
+        r[i] = i < rows ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * ldx + 2 * p))
+                        : _mm256_setzero_si256();
+      __m256i* o = reinterpret_cast<__m256i*>(out + p * P);
+      // Per 128-bit lane: pairs j, j + 1 of rows 0 and 1 (lo), pairs j + 2, j + 3 (hi); lane 1 has
+      // pairs 4-7.
+      const __m256i lo = _mm256_unpacklo_epi32(r[0], r[1]), hi = _mm256_unpackhi_epi32(r[0], r[1]);
+      if constexpr (P == 2) {
+        _mm256_storeu_si256(o, _mm256_permute2x128_si256(lo, hi, 0x20));
+        _mm256_storeu_si256(o + 1, _mm256_permute2x128_si256(lo, hi, 0x31));
+      } else {
+        const __m256i lo2 = _mm256_unpacklo_epi32(r[2], r[3]), hi2 = _mm256_unpackhi_epi32(r[2], r[3]);
+        // u[j]: pair j of the four rows in lane 0, pair j + 4 in lane 1
+        const __m256i u[4] = {_mm256_unpacklo_epi64(lo, lo2), _mm256_unpackhi_epi64(lo, lo2),
+                              _mm256_unpacklo_epi64(hi, hi2), _mm256_unpackhi_epi64(hi, hi2)};
+        _mm256_storeu_si256(o, _mm256_permute2x128_si256(u[0], u[1], 0x20));
+        _mm256_storeu_si256(o + 1, _mm256_permute2x128_si256(u[2], u[3], 0x20));
+        _mm256_storeu_si256(o + 2, _mm256_permute2x128_si256(u[0], u[1], 0x31));
+        _mm256_storeu_si256(o + 3, _mm256_permute2x128_si256(u[2], u[3], 0x31));
+      }
+    }
+  }
+
+  at::Tensor pairs;  // int32 [ceil(M / 8), K / 2, 8], or [K / 2, pitch] for up to 4 rows; undefined for one
   int64_t half_k;
   const int32_t* single = nullptr;  // one row: x itself, whose pairs lie one after the other
+  int pitch_ = kRowBlock;
   PairRows(const bf16* x, int64_t ldx, int64_t m, int64_t k) : half_k(k / 2) {
     if (m == 1) {
       single = reinterpret_cast<const int32_t*>(x);
+      pitch_ = 1;
+      return;
+    }
+    if (m <= 4) {  // one block, as wide as its rows need: 2 or 4 pairs a k pair, not 8
+      pitch_ = m == 2 ? 2 : 4;
+      pairs = at::empty({half_k, pitch_}, at::kInt);
+      if (pitch_ == 2) {
+        transpose_few<2>(x, ldx, m, half_k, pairs.data_ptr<int32_t>());
+      } else {
+        transpose_few<4>(x, ldx, m, half_k, pairs.data_ptr<int32_t>());
+      }
       return;
     }
     pairs = at::empty({(m + kRowBlock - 1) / kRowBlock, k / 2, kRowBlock}, at::kInt);
@@ -306,11 +362,11 @@ struct PairRows {
       }
     });
   }
-  const int32_t* block(int64_t m0) const {
+  const int32_t* block(int64_t m0) const {  // m0 a multiple of 8: 0 wherever the pitch is under 8
     return single != nullptr ? single : pairs.data_ptr<int32_t>() + m0 / kRowBlock * half_k * kRowBlock;
   }
   // Pairs from one k pair to the next in block(m0).
-  int pitch() const { return single != nullptr ? 1 : static_cast<int>(kRowBlock); }
+  int pitch() const { return pitch_; }
 };
 
 // One thread's multiplies with VDPBF16PS: a chunk's rows in blocks of 8. The block that reads
