@@ -57,27 +57,29 @@ def test_decode_over_page_sizes_and_lengths(backend, block_size, ctx):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_many_sequences_one_thread_each_reading_whole_slots(backend, dtype, head_dim):
-    """With at least one sequence per thread, a work item is a whole sequence (every KV head of a
-    slot in one pass, on AVX-512 CPUs): the same answers as one item per KV head."""
+def test_a_sequence_gives_the_same_bits_alone_or_in_a_batch_on_one_or_two_threads(backend, dtype, head_dim):
+    """A work item is a whole sequence (every KV head of a slot in one pass, on AVX-512 CPUs; one
+    item per KV head elsewhere), so how the batch is split between threads never changes a
+    sequence's answer: each one alone, on two threads, gives the bits it gives in a batch of 12 on
+    one thread, and all are attention within the dtype's rounding."""
     lens = [1, 2, 15, 16, 17, 31, 33, 64, 100, 129, 257, 300]
     case = decode_case(lens, group=3, head_dim=head_dim, block_size=16, num_kv_heads=3, dtype=dtype, seed=11)
     threads = torch.get_num_threads()
     q = case.decode_q
     try:
         torch.set_num_threads(1)
-        whole = run(backend, case)
-        torch.set_num_threads(2)  # one sequence a call, fewer than the threads: one item per KV head
-        per_head = torch.cat([
+        batch = run(backend, case)
+        torch.set_num_threads(2)
+        alone = torch.cat([
             backend.decode_attention(q[i:i + 1], case.k_cache, case.v_cache, case.seq_lens[i:i + 1],
                                      case.block_tables[i:i + 1], case.scale)
             for i in range(len(lens))
         ])
     finally:
         torch.set_num_threads(threads)
-    torch.testing.assert_close(whole, per_head, atol=0, rtol=0)
+    torch.testing.assert_close(alone, batch, atol=0, rtol=0)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(whole.double(), oracle(case).to(whole.dtype).double(), atol=tol, rtol=tol)
+    torch.testing.assert_close(batch.double(), oracle(case).to(batch.dtype).double(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("group", [1, 3, 8, 9])
@@ -96,8 +98,8 @@ def test_bfloat16_matches_the_reference_within_its_precision(backend, group, hea
 def test_bfloat16_over_page_sizes_and_partial_tiles(backend, block_size, group, head_dim):
     """bfloat16 with d a multiple of 32, the scores AMX computes where the CPU has it: 16 positions
     evenly spaced within a page are read in place, a tile across pages (sizes 1 and 7, shuffled)
-    or past the last position is copied and zero-padded; both as whole-sequence and per-head items.
-    The unused slots hold NaN: a read past a sequence's tokens would show."""
+    or past the last position is copied and zero-padded; a sequence alone gives the bits it gives in
+    the batch. The unused slots hold NaN: a read past a sequence's tokens would show."""
     lens = [1, 15, 16, 17, 100, 257, 2, 33]
     case = decode_case(lens, group=group, head_dim=head_dim, block_size=block_size, num_kv_heads=2,
                        dtype=torch.bfloat16, seed=block_size + group)

@@ -343,13 +343,15 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   const int32_t* table = block_tables.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  // A work item is one KV head of one sequence, or, on the 512-bit path with a sequence for every
-  // thread, all of a sequence's KV heads: then each tile of positions reads whole slots. (From 4
-  // sequences a thread, before: 30 layers of SmolLM2 at context 256 with the KV far out of L3, on
-  // a 2-core Zen 4, batch 4 1.72-1.90 -> 1.32-1.36 ms, batch 6 2.2-2.6 -> 1.8-2.5, batch 2 and 3 a
-  // little faster; at batch 1 one item a thread or all on one read the same, 0.63-0.65 at best.)
+  // A work item is all of a sequence's KV heads on the 512-bit path, so that each tile of
+  // positions reads whole slots, else one KV head of one sequence. The whole sequence took over
+  // from one item per head in two steps (2-core Zen 4, SmolLM2, context 256): from 4 sequences a
+  // thread to one, where 30 layers with the KV far out of L3 went at batch 4 1.72-1.90 -> 1.32-1.36
+  // ms and at batch 6 2.2-2.6 -> 1.8-2.5; then at every batch, where engine decode steps at batch 1
+  // (three KV heads, two threads: one item on one thread against two and one) went 11.0-11.4 ->
+  // 10.1-11.1 ms in in-process A/B rounds, won 34 of 48.
   const bool wide = wide_applies(geo);
-  const int64_t heads = wide && batch >= at::get_num_threads() ? hkv : 1;
+  const int64_t heads = wide ? hkv : 1;
   const int64_t per_seq = hkv / heads;
   const Dots dots = wide_dots<T>(geo);
   const bool raw_q = dots != Dots::Float;
