@@ -211,35 +211,28 @@ void rows_by_group(const int32_t* x, const bf16* w, int64_t steps, float* acc,
   }
 }
 
-// The kernel for `rows` rows, with the cursors' prefetches in its loop only where either has lines
-// to prefetch: most calls have none (every step of fewer than 16 rows), and their loop then holds
-// nothing but the weight's own loads, prefetches and products.
+// The kernel for R = `rows` (1 .. Max; more counts as Max) rows at pitch P, R known at compile time.
+template <int P, int Max, bool Prefetch, bool Trickle>
+void rows_by_group_upto(int rows, const int32_t* x, const bf16* w, int64_t steps, float* acc,
+                        pdserve_cpu::PrefetchCursor& background, pdserve_cpu::PrefetchCursor& next) {
+  if constexpr (Max > 1) {
+    if (rows < Max) return rows_by_group_upto<P, Max - 1, Prefetch, Trickle>(rows, x, w, steps, acc, background, next);
+  }
+  rows_by_group<Max, P, Prefetch, Trickle>(x, w, steps, acc, background, next);
+}
+
+// The kernel for `rows` rows at `pitch` (at most as many rows as the pitch holds), with the
+// cursors' prefetches in its loop only where either has lines to prefetch: most calls have none
+// (every step of fewer than 16 rows), and their loop then holds nothing but the weight's own
+// loads, prefetches and products.
 template <bool Prefetch, bool Trickle>
 void rows_by_group_r(int rows, const int32_t* x, int pitch, const bf16* w, int64_t steps, float* acc,
                      pdserve_cpu::PrefetchCursor& background, pdserve_cpu::PrefetchCursor& next) {
-  if (pitch == 1) return rows_by_group<1, 1, Prefetch, Trickle>(x, w, steps, acc, background, next);
-  if (pitch == 2) {
-    if (rows == 1) return rows_by_group<1, 2, Prefetch, Trickle>(x, w, steps, acc, background, next);
-    return rows_by_group<2, 2, Prefetch, Trickle>(x, w, steps, acc, background, next);
-  }
-  if (pitch == 4) {
-    switch (rows) {
-      case 1: return rows_by_group<1, 4, Prefetch, Trickle>(x, w, steps, acc, background, next);
-      case 2: return rows_by_group<2, 4, Prefetch, Trickle>(x, w, steps, acc, background, next);
-      case 3: return rows_by_group<3, 4, Prefetch, Trickle>(x, w, steps, acc, background, next);
-      default: return rows_by_group<4, 4, Prefetch, Trickle>(x, w, steps, acc, background, next);
-    }
-  }
-  constexpr int P = kRowBlock;
-  switch (rows) {
-    case 1: return rows_by_group<1, P, Prefetch, Trickle>(x, w, steps, acc, background, next);
-    case 2: return rows_by_group<2, P, Prefetch, Trickle>(x, w, steps, acc, background, next);
-    case 3: return rows_by_group<3, P, Prefetch, Trickle>(x, w, steps, acc, background, next);
-    case 4: return rows_by_group<4, P, Prefetch, Trickle>(x, w, steps, acc, background, next);
-    case 5: return rows_by_group<5, P, Prefetch, Trickle>(x, w, steps, acc, background, next);
-    case 6: return rows_by_group<6, P, Prefetch, Trickle>(x, w, steps, acc, background, next);
-    case 7: return rows_by_group<7, P, Prefetch, Trickle>(x, w, steps, acc, background, next);
-    default: return rows_by_group<8, P, Prefetch, Trickle>(x, w, steps, acc, background, next);
+  switch (pitch) {
+    case 1: return rows_by_group_upto<1, 1, Prefetch, Trickle>(rows, x, w, steps, acc, background, next);
+    case 2: return rows_by_group_upto<2, 2, Prefetch, Trickle>(rows, x, w, steps, acc, background, next);
+    case 4: return rows_by_group_upto<4, 4, Prefetch, Trickle>(rows, x, w, steps, acc, background, next);
+    default: return rows_by_group_upto<kRowBlock, kRowBlock, Prefetch, Trickle>(rows, x, w, steps, acc, background, next);
   }
 }
 
@@ -274,97 +267,78 @@ void rows_by_group_any(int rows, const int32_t* x, int pitch, const bf16* w, int
 // pairs a k pair: batch 2 10.5-12.1 -> 10.1-11.4 ms (won 9 of 12 and 13 of 16 rounds), batch 3
 // 13.0 -> 12.9 (9 of 12), batch 4 13.5-13.7 -> 13.0-13.8 (7 of 12, 12 of 16).
 struct PairRows {
-  // out[p * 8 + r] = pair p of row r (x's rows at stride ldx) for the block's first `rows` rows,
-  // zero for the rest of its 8; half_k % 8 == 0.
-  static void transpose_block(const bf16* x, int64_t ldx, int64_t rows, int64_t half_k, int32_t* out) {
-    for (int64_t p = 0; p < half_k; p += 8) {
-      __m256i r[8];
-      for (int i = 0; i < 8; ++i)
-        r[i] = i < rows ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * ldx + 2 * p))
-                        : _mm256_setzero_si256();
-      __m256i t[8], u[8];
-      for (int i = 0; i < 4; ++i) {  // pairs (j, j + 1) of rows 2i, 2i + 1, j even, per 128-bit lane
-        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-      }
-      for (int h = 0; h < 2; ++h) {  // rows 4h .. 4h + 3 of one pair, per lane
-        u[4 * h] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
-        u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
-        u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
-        u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
-      }
-      __m256i* o = reinterpret_cast<__m256i*>(out + p * kRowBlock);
-      for (int j = 0; j < 4; ++j) {  // pair j from the low lanes, pair j + 4 from the high ones
-        _mm256_storeu_si256(o + j, _mm256_permute2x128_si256(u[j], u[4 + j], 0x20));
-        _mm256_storeu_si256(o + 4 + j, _mm256_permute2x128_si256(u[j], u[4 + j], 0x31));
-      }
-    }
-  }
-
-  // out[p * P + r] = pair p of row r for the first `rows` (<= P) of x's rows, zero for the rest of
-  // the P, P 2 or 4; half_k % 8 == 0. The same unpacks as transpose_block's, on fewer rows.
+  // out[p * P + r] = pair p of row r (x's rows at stride ldx) for the first `rows` (<= P) rows,
+  // zero for the rest of the P; P 2, 4 or 8, half_k % 8 == 0. Eight pairs of each row at a time:
+  // their int32s interleaved row by row (unpacklo/hi_epi32, then _epi64 from 4 rows), per 128-bit
+  // lane, whose halves (pairs 0-3 and 4-7) are then put in order.
   template <int P>
-  static void transpose_few(const bf16* x, int64_t ldx, int64_t rows, int64_t half_k, int32_t* out) {
-    static_assert(P == 2 || P == 4, "2 or 4 rows");
+  static void transpose(const bf16* x, int64_t ldx, int64_t rows, int64_t half_k, int32_t* out) {
+    static_assert(P == 2 || P == 4 || P == 8, "2, 4 or 8 rows");
     for (int64_t p = 0; p < half_k; p += 8) {
       __m256i r[P];
       for (int i = 0; i < P; ++i)
         r[i] = i < rows ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * ldx + 2 * p))
                         : _mm256_setzero_si256();
+      __m256i t[P];  // pairs (j, j + 1) of rows 2i, 2i + 1, j even, per lane
+      for (int i = 0; i < P / 2; ++i) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+      }
       __m256i* o = reinterpret_cast<__m256i*>(out + p * P);
-      // Per 128-bit lane: pairs j, j + 1 of rows 0 and 1 (lo), pairs j + 2, j + 3 (hi); lane 1 has
-      // pairs 4-7.
-      const __m256i lo = _mm256_unpacklo_epi32(r[0], r[1]), hi = _mm256_unpackhi_epi32(r[0], r[1]);
-      if constexpr (P == 2) {
-        _mm256_storeu_si256(o, _mm256_permute2x128_si256(lo, hi, 0x20));
-        _mm256_storeu_si256(o + 1, _mm256_permute2x128_si256(lo, hi, 0x31));
-      } else {
-        const __m256i lo2 = _mm256_unpacklo_epi32(r[2], r[3]), hi2 = _mm256_unpackhi_epi32(r[2], r[3]);
-        // u[j]: pair j of the four rows in lane 0, pair j + 4 in lane 1
-        const __m256i u[4] = {_mm256_unpacklo_epi64(lo, lo2), _mm256_unpackhi_epi64(lo, lo2),
-                              _mm256_unpacklo_epi64(hi, hi2), _mm256_unpackhi_epi64(hi, hi2)};
-        _mm256_storeu_si256(o, _mm256_permute2x128_si256(u[0], u[1], 0x20));
-        _mm256_storeu_si256(o + 1, _mm256_permute2x128_si256(u[2], u[3], 0x20));
-        _mm256_storeu_si256(o + 2, _mm256_permute2x128_si256(u[0], u[1], 0x31));
-        _mm256_storeu_si256(o + 3, _mm256_permute2x128_si256(u[2], u[3], 0x31));
+      if constexpr (P == 2) {  // t0: pairs 0, 1 (lane 0) and 4, 5; t1: 2, 3 and 6, 7
+        _mm256_storeu_si256(o, _mm256_permute2x128_si256(t[0], t[1], 0x20));
+        _mm256_storeu_si256(o + 1, _mm256_permute2x128_si256(t[0], t[1], 0x31));
+        continue;
+      }
+      __m256i u[P];  // rows 4h .. 4h + 3 of one pair, per lane: u[4h + j] holds pair j and j + 4
+      for (int h = 0; h < P / 4; ++h) {
+        u[4 * h] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+        u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+      }
+      if constexpr (P == 4) {  // two pairs a register
+        for (int j = 0; j < 4; j += 2) {
+          _mm256_storeu_si256(o + j / 2, _mm256_permute2x128_si256(u[j], u[j + 1], 0x20));
+          _mm256_storeu_si256(o + 2 + j / 2, _mm256_permute2x128_si256(u[j], u[j + 1], 0x31));
+        }
+      } else {  // one pair a register: rows 0-3 from u[j], 4-7 from u[4 + j]
+        for (int j = 0; j < 4; ++j) {
+          _mm256_storeu_si256(o + j, _mm256_permute2x128_si256(u[j], u[4 + j], 0x20));
+          _mm256_storeu_si256(o + 4 + j, _mm256_permute2x128_si256(u[j], u[4 + j], 0x31));
+        }
       }
     }
   }
 
-  at::Tensor pairs;  // int32 [ceil(M / 8), K / 2, 8], or [K / 2, pitch] for up to 4 rows; undefined for one
+  at::Tensor pairs;  // int32 [ceil(M / 8), K / 2, 8], or [K / 2, pitch] for 2 to 4 rows; none for one
   int64_t half_k;
-  const int32_t* single = nullptr;  // one row: x itself, whose pairs lie one after the other
-  int pitch_ = kRowBlock;
-  PairRows(const bf16* x, int64_t ldx, int64_t m, int64_t k) : half_k(k / 2) {
+  const int32_t* data;  // pairs, or for one row x itself, whose pairs lie one after the other
+  int pitch_;
+  PairRows(const bf16* x, int64_t ldx, int64_t m, int64_t k)
+      : half_k(k / 2), pitch_(m == 1 ? 1 : m == 2 ? 2 : m <= 4 ? 4 : static_cast<int>(kRowBlock)) {
     if (m == 1) {
-      single = reinterpret_cast<const int32_t*>(x);
-      pitch_ = 1;
+      data = reinterpret_cast<const int32_t*>(x);
       return;
     }
-    if (m <= 4) {  // one block, as wide as its rows need: 2 or 4 pairs a k pair, not 8
-      pitch_ = m == 2 ? 2 : 4;
-      pairs = at::empty({half_k, pitch_}, at::kInt);
-      if (pitch_ == 2) {
-        transpose_few<2>(x, ldx, m, half_k, pairs.data_ptr<int32_t>());
-      } else {
-        transpose_few<4>(x, ldx, m, half_k, pairs.data_ptr<int32_t>());
-      }
-      return;
-    }
-    pairs = at::empty({(m + kRowBlock - 1) / kRowBlock, k / 2, kRowBlock}, at::kInt);
+    const int64_t blocks = (m + pitch_ - 1) / pitch_;  // one where the pitch is under 8
+    pairs = at::empty({blocks, half_k, pitch_}, at::kInt);
     int32_t* out = pairs.data_ptr<int32_t>();
+    data = out;
+    if (pitch_ < kRowBlock) {
+      (pitch_ == 2 ? transpose<2> : transpose<4>)(x, ldx, m, half_k, out);
+      return;
+    }
     // Decode-sized x packs on the calling thread: a fork and join (about 4 us) costs more.
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (half_k * kRowBlock));
-    at::parallel_for(0, pairs.size(0), grain, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t rows = std::min<int64_t>(kRowBlock, m - b * kRowBlock);
-        transpose_block(x + b * kRowBlock * ldx, ldx, rows, half_k, out + b * half_k * kRowBlock);
-      }
+    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b)
+        transpose<kRowBlock>(x + b * kRowBlock * ldx, ldx, std::min<int64_t>(kRowBlock, m - b * kRowBlock), half_k,
+                             out + b * half_k * kRowBlock);
     });
   }
-  const int32_t* block(int64_t m0) const {  // m0 a multiple of 8: 0 wherever the pitch is under 8
-    return single != nullptr ? single : pairs.data_ptr<int32_t>() + m0 / kRowBlock * half_k * kRowBlock;
-  }
+  // m0 a multiple of 8: 0 wherever the pitch is under 8.
+  const int32_t* block(int64_t m0) const { return data + m0 / kRowBlock * half_k * kRowBlock; }
   // Pairs from one k pair to the next in block(m0).
   int pitch() const { return pitch_; }
 };
