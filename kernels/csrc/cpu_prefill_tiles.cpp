@@ -140,30 +140,29 @@ inline void score_block(const bf16* q, int64_t d, const bf16* kt, int64_t tile, 
 }
 
 // Outputs of rows [R, width] of probabilities (row i at p + i lp) against the value tiles of
-// column tiles c0 .. c0 + C - 1: o[i][16 (c0 + c) + n] (row i at o + i d).
-template <int R, int C>
+// column tiles c0 and c0 + 1: o[i][16 (c0 + c) + n] (row i at o + i d).
+template <int R>
 inline void value_block(const bf16* p, int64_t lp, const bf16* values, int64_t width, int64_t col_tiles, int64_t c0,
                         float* o, int64_t d) {
-  __m512 acc[R][C];
-  for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+  __m512 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t ks = 0; ks < width / kStep; ++ks) {
     const bf16* vt = values + (ks * col_tiles + c0) * 16 * 32;
     for (int64_t r = 0; r < 16; ++r) {  // keys 32 ks + 2 r, + 1
-      __m512bh b[C];
-      for (int c = 0; c < C; ++c) {
+      __m512bh b[2];
+      for (int c = 0; c < 2; ++c) {
         b[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(vt + (c * 16 + r) * 32));
         in_register(b[c]);
       }
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
         const __m512bh a = pdserve_amx::broadcast_pair(p + i * lp + ks * kStep + 2 * r);
-        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], a, b[c]);
+        for (int c = 0; c < 2; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], a, b[c]);
       }
     }
   }
   for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + i * d + 16 * (c0 + c), acc[i][c]);
+    for (int c = 0; c < 2; ++c) _mm512_storeu_ps(o + i * d + 16 * (c0 + c), acc[i][c]);
 }
 
 constexpr int kScoreRows = 8, kValueRows = 8;  // 16 accumulators each
@@ -182,7 +181,7 @@ void values_on(Avx512Bf16Blocks&, const bf16* p, int64_t lp, const bf16* values,
   const int64_t col_tiles = d / 16;  // even: D is a multiple of 32
   for (int64_t c0 = 0; c0 < col_tiles; c0 += 2)
     for (int64_t m0 = 0; m0 < kRows; m0 += kValueRows)
-      value_block<kValueRows, 2>(p + m0 * lp, lp, values, width, col_tiles, c0, o + m0 * d, d);
+      value_block<kValueRows>(p + m0 * lp, lp, values, width, col_tiles, c0, o + m0 * d, d);
 }
 #endif
 
