@@ -538,6 +538,29 @@ def test_a_bfloat16_compiled_decoder_layer_matches_the_pytorch_layers(tiny, monk
     torch.testing.assert_close(engines[0].runner.kv_cache, engines[1].runner.kv_cache, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_batch_of_one_decodes_the_same_bits_on_two_threads_as_on_one(tiny, monkeypatch, dtype):
+    """At batch 1 on two threads one sequence leaves the second thread without attention to do
+    (on the 512-bit path a sequence is one item), and it prefetches the next weights meanwhile
+    (decode_attention_then): the tokens and the KV cache are those of one thread, bit for bit."""
+    from pdserve.config.engine import EngineConfig
+    from pdserve.engine.engine import Engine
+
+    monkeypatch.delenv("PDSERVE_CPU_FUSED", raising=False)
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            engine = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype=dtype), loaded=tiny)
+            assert engine.runner.compiled_layers
+            runs.append((greedy_tokens(engine, {"r": list(range(7, 40))}, 12), engine.runner.kv_cache))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(runs[0][0]["r"]) == 12 and runs[0][0] == runs[1][0]
+    torch.testing.assert_close(runs[0][1], runs[1][1], atol=0, rtol=0)
+
+
 def test_bfloat16_outputs_round_to_nearest_even_as_torch_does(backend):
     """The kernels round their float32 results to bfloat16 eight at a time: to nearest, ties to
     even, NaN kept, as torch's own conversion does (truncation would miss about half)."""

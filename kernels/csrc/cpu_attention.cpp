@@ -20,6 +20,7 @@
 #include "vec.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <cmath>
@@ -329,7 +330,7 @@ void attend_wide(Dots dots, const T* q_raw, const float* qf, const T* kp, const 
 template <typename T>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
-                   at::Tensor& out) {
+                   at::Tensor& out, const pdserve_cpu::BackgroundPrefetch& spare) {
   const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t hkv = k_cache.size(2);
   const Geometry geo{hq / hkv, d, k_cache.size(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
@@ -357,7 +358,21 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   const bool raw_q = dots != Dots::Float;
   const int64_t tile_scratch = dots == Dots::Tiles ? heads * group * d + 16 * heads * d : 0;
 
-  at::parallel_for(0, batch * per_seq, 1, [&](int64_t begin, int64_t end) {
+  // Threads left without an item prefetch `spare` into their caches (the memory the caller reads
+  // next) until the last item is done: see decode_attention_then.
+  const int64_t items = batch * per_seq;
+  const int64_t spare_units = spare.lines() > 0 && items < at::get_num_threads() && !at::in_parallel_region()
+                                  ? at::get_num_threads() - items : 0;
+  std::atomic<int64_t> items_left{items};
+  at::parallel_for(0, items + spare_units, 1, [&](int64_t begin, int64_t end) {
+    if (begin >= items) {
+      if (begin > items) return;  // one of them takes it all: the lines are read in order
+      pdserve_cpu::PrefetchCursor cursor(spare, 0, spare.lines());
+      while (cursor.active() && items_left.load(std::memory_order_relaxed) > 0)
+        for (int i = 0; i < 16; ++i) cursor.one();
+      return;
+    }
+    end = std::min(end, items);
     std::vector<float> qf(heads * group * d), acc(heads * group * d), scores;
     // The tile scratch (query pairs, copied key rows) comes from ATen's allocator, which starts
     // every block on a 64-byte line: a tile row across two lines loads at half the rate.
@@ -394,6 +409,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       int64_t i = 0;
       for (; i + 8 <= width; i += 8) store8(o + i, load8(acc.data() + i));
       for (; i < width; ++i) o[i] = from_float<T>(acc[i]);
+      items_left.fetch_sub(1, std::memory_order_relaxed);
     }
   });
 }
@@ -404,6 +420,12 @@ namespace pdserve_cpu {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale) {
+  return decode_attention_then(q, k_cache, v_cache, seq_lens, block_tables, scale, {});
+}
+
+at::Tensor decode_attention_then(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
+                                 const BackgroundPrefetch& spare) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "pdserve_cpu.decode_attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "expected q [B,Hq,D] and cache [N,S,Hkv,D]");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
@@ -434,9 +456,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   }
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.scalar_type() == at::kFloat) {
-    decode_kernel<float>(q, k_cache, v_cache, lens, block_tables, scale, out);
+    decode_kernel<float>(q, k_cache, v_cache, lens, block_tables, scale, out, spare);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode_kernel<c10::BFloat16>(q, k_cache, v_cache, lens, block_tables, scale, out);
+    decode_kernel<c10::BFloat16>(q, k_cache, v_cache, lens, block_tables, scale, out, spare);
   } else {
     TORCH_CHECK(false, "pdserve_cpu.decode_attention supports float32 and bfloat16, not ", q.scalar_type());
   }

@@ -12,6 +12,13 @@ namespace pdserve_cpu {
 // cpu_attention.cpp
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale);
+// decode_attention, where a thread left without a sequence (fewer sequences than threads, as at
+// batch 1) prefetches the lines of `spare` meanwhile, in order, until the last sequence is done:
+// the memory the caller reads next (the output projection's weight), which would otherwise wait
+// for it on DRAM.
+at::Tensor decode_attention_then(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
+                                 const BackgroundPrefetch& spare);
 void store_kv_(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
                const at::Tensor& slot_mapping);
 
