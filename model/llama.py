@@ -49,6 +49,9 @@ class Linear(nn.Module):
         self.panels: torch.Tensor | None = None
         self.tiles: torch.Tensor | None = None
         self.ops: object | None = None
+        # A gate/up projection's intermediate size (MLP sets it): its tiles then pair the two
+        # halves' groups, as the fused SiLU-mul kernel reads them (cpu_linear.pack_gate_up_tiles).
+        self.gate_up_of = 0
 
     def pack_onednn(self, batch_hint: int = 64) -> None:
         """Keep a oneDNN-packed copy of the weight for the CPU matmul (the weight itself stays)."""
@@ -63,10 +66,18 @@ class Linear(nn.Module):
         """Keep a tile copy for torch.ops.pdserve_cpu.tile_linear (AMX or VDPBF16PS), and with
         `onednn` a oneDNN-packed one for steps of more than TILE_MAX_ROWS rows (the weight itself
         stays)."""
-        self.tiles = cpu_linear.pack_tiles(self.weight.detach())
+        if self.tiles_paired:
+            self.tiles = cpu_linear.pack_gate_up_tiles(self.weight.detach(), self.gate_up_of)
+        else:
+            self.tiles = cpu_linear.pack_tiles(self.weight.detach())
         self.ops = ops
         if onednn:
             self.pack_onednn()
+
+    @property
+    def tiles_paired(self) -> bool:
+        """Whether the tiles (once packed) pair the gate's and the up's groups."""
+        return self.gate_up_of > 0 and cpu_linear.tiles_fuse_silu_mul(self.gate_up_of)
 
     @property
     def large_step_weight(self) -> torch.Tensor | None:
@@ -93,7 +104,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tiles = self.tiles_for(x)
         if tiles is not None:
-            return cpu_linear.tile_linear(self.ops, x, tiles, self.out_features)
+            y = cpu_linear.tile_linear(self.ops, x, tiles, self.out_features)
+            return cpu_linear.unpair_gate_up(y, self.gate_up_of) if self.tiles_paired else y
         if self.panels is not None:
             return cpu_linear.linear(self.ops, x, self.panels, self.out_features)
         if self.packed is not None:
@@ -228,6 +240,7 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.gate_up_proj.gate_up_of = config.intermediate_size
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.intermediate_size = config.intermediate_size
         self.fused = None

@@ -134,19 +134,39 @@ def test_the_tile_linear_refuses_a_weight_not_in_the_tile_layout(ops):
 @pytest.mark.parametrize("intermediate,in_features", [(32, 64), (96, 1024)])
 def test_the_tile_gate_up_with_silu_mul_equals_the_projection_then_the_op_to_the_bit(ops, rows, intermediate,
                                                                                     in_features):
-    """The fused kernel rounds gate and up to bfloat16 as the projection's output is rounded and
-    applies the op's own row function: the same bits as tile_linear then silu_mul, strided rows."""
+    """The fused kernel, on the gate/up tiles packed in pairs, rounds gate and up to bfloat16 as
+    the projection's output is rounded and applies the op's own row function: the same bits as
+    tile_linear on the weight packed as it lies (the gate's columns, then the up's) then silu_mul,
+    strided rows."""
     torch.manual_seed(rows + intermediate)
     w = torch.randn(2 * intermediate, in_features).bfloat16()
     x = torch.randn(rows, in_features + 32)[:, :in_features].bfloat16()
-    tiles = cpu_linear.pack_tiles(w)
     assert cpu_linear.tiles_fuse_silu_mul(intermediate)
-    got = cpu_linear.tile_linear_silu_mul(ops, x, tiles, intermediate)
+    got = cpu_linear.tile_linear_silu_mul(ops, x, cpu_linear.pack_gate_up_tiles(w, intermediate), intermediate)
     assert got.shape == (rows, intermediate) and got.dtype == torch.bfloat16
-    want = ops.silu_mul(cpu_linear.tile_linear(ops, x, tiles, 2 * intermediate))
+    want = ops.silu_mul(cpu_linear.tile_linear(ops, x, cpu_linear.pack_tiles(w), 2 * intermediate))
     assert torch.equal(got, want)
     gate, up = (x.float() @ w.float().t()).chunk(2, dim=-1)
     torch.testing.assert_close(got.float(), torch.nn.functional.silu(gate) * up, atol=0.1, rtol=2**-6)
+
+
+@pytest.mark.parametrize("intermediate", [32, 96])
+def test_gate_up_tiles_in_pairs_project_the_columns_of_the_plain_tiles_once_unpaired(ops, intermediate):
+    """pack_gate_up_tiles lays gate group p beside up group p; through tile_linear its columns
+    come in those pairs, and unpair_gate_up puts them back: the plain packing's bits."""
+    torch.manual_seed(intermediate)
+    w = torch.randn(2 * intermediate, 64).bfloat16()
+    x = torch.randn(3, 64).bfloat16()
+    paired = cpu_linear.pack_gate_up_tiles(w, intermediate)
+    plain = cpu_linear.pack_tiles(w)
+    assert paired.shape == plain.shape and paired.is_contiguous()
+    assert torch.equal(paired[1], plain[intermediate // 32])  # the up's first group, second in memory
+    y = cpu_linear.tile_linear(ops, x, paired, 2 * intermediate)
+    assert torch.equal(cpu_linear.unpair_gate_up(y, intermediate), cpu_linear.tile_linear(ops, x, plain, 2 * intermediate))
+    with pytest.raises(ValueError, match="whole groups"):
+        cpu_linear.pack_gate_up_tiles(torch.randn(80, 64).bfloat16(), 40)
+    with pytest.raises(ValueError, match="2 x 32 rows"):
+        cpu_linear.pack_gate_up_tiles(torch.randn(96, 64).bfloat16(), 32)
 
 
 def test_the_tile_gate_up_with_silu_mul_refuses_halves_that_are_not_whole_groups(ops):
