@@ -272,7 +272,8 @@ Dots wide_dots(const Geometry& geo) {
 // the scratch of the Tiles scores, [heads * group * d + 16 * heads * d].
 template <typename T>
 void attend_wide(Dots dots, const T* q_raw, const float* qf, const T* kp, const T* vp, const int64_t* rows,
-                 int64_t ctx, int64_t heads, const Geometry& geo, float scale, float* scores, float* out, T* tiles) {
+                 int64_t ctx, int64_t heads, const Geometry& geo, float scale, float* scores, float* out, T* tiles,
+                 pdserve_cpu::PrefetchCursor& next) {
 #if defined(__AVX512F__)
   const auto scores_with = [&](auto g, const auto& dot, float s) {
     avx512::scores<decltype(g)::value>(dot, kp, vp, rows, ctx, heads, s, scores);
@@ -308,8 +309,8 @@ void attend_wide(Dots dots, const T* q_raw, const float* qf, const T* kp, const 
       by_group(geo.group, [&](auto g) {
         constexpr int G = decltype(g)::value;
         constexpr int NC = G <= 2 ? 4 : (G <= 4 ? 2 : 1);  // at most 16 accumulators
-        if (geo.d % (32 * NC) == 0) return avx512::weighted_sum_pairs<G, NC>(scores, vp, rows, ctx, geo.d, heads, out);
-        avx512::weighted_sum_pairs<G, 1>(scores, vp, rows, ctx, geo.d, heads, out);
+        if (geo.d % (32 * NC) == 0) return avx512::weighted_sum_pairs<G, NC>(scores, vp, rows, ctx, geo.d, heads, out, next);
+        avx512::weighted_sum_pairs<G, 1>(scores, vp, rows, ctx, geo.d, heads, out, next);
       });
       return;
     }
@@ -318,12 +319,12 @@ void attend_wide(Dots dots, const T* q_raw, const float* qf, const T* kp, const 
   by_group(geo.group, [&](auto g) {
     constexpr int G = decltype(g)::value;
     constexpr int NC = G <= 4 ? 4 : 2;  // at most 16 accumulators
-    if (geo.d % (16 * NC) == 0) return avx512::weighted_sum<G, NC>(scores, vp, rows, ctx, geo.d, heads, out);
-    avx512::weighted_sum<G, 1>(scores, vp, rows, ctx, geo.d, heads, out);
+    if (geo.d % (16 * NC) == 0) return avx512::weighted_sum<G, NC>(scores, vp, rows, ctx, geo.d, heads, out, next);
+    avx512::weighted_sum<G, 1>(scores, vp, rows, ctx, geo.d, heads, out, next);
   });
 #else
   (void)dots, (void)q_raw, (void)qf, (void)kp, (void)vp, (void)rows, (void)ctx, (void)heads, (void)geo, (void)scale;
-  (void)scores, (void)out, (void)tiles;
+  (void)scores, (void)out, (void)tiles, (void)next;
 #endif
 }
 
@@ -357,6 +358,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   const Dots dots = wide_dots<T>(geo);
   const bool raw_q = dots != Dots::Float;
   const int64_t tile_scratch = dots == Dots::Tiles ? heads * group * d + 16 * heads * d : 0;
+  // A block's keys, whole lines: its slots, each all of the item's heads.
+  const int64_t block_lines = (geo.block_size * geo.c_ss * static_cast<int64_t>(sizeof(T)) + 63) / 64;
 
   // Threads left without an item prefetch `spare` into their caches (the memory the caller reads
   // next) until the last item is done: see decode_attention_then.
@@ -379,13 +382,14 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     std::vector<T> q_raw(heads * group * d);
     const at::Tensor tiles = tile_scratch > 0 ? at::empty({tile_scratch}, q.options()) : at::Tensor();
     T* tile_scratch_at = tile_scratch > 0 ? tiles.data_ptr<T>() : nullptr;
-    std::vector<int64_t> rows;
+    std::vector<int64_t> rows, next_blocks;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / per_seq, h0 = (item % per_seq) * heads;
       const int64_t ctx = lens[b], width = heads * group * d;
       T* o = op + b * hq * d + h0 * group * d;  // out is contiguous
       if (ctx <= 0) {
         std::fill(o, o + width, from_float<T>(0.f));
+        items_left.fetch_sub(1, std::memory_order_relaxed);
         continue;
       }
       for (int64_t r = 0; r < heads * group; ++r) {
@@ -399,8 +403,16 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       scores.resize(heads * group * ctx);
       row_offsets(table + b * t_sb, h0, ctx, geo, rows);
       if (wide) {
+        // The keys of this thread's next item (a whole sequence: the wide path), block by block.
+        next_blocks.clear();
+        const int64_t nb = item + 1 < end ? (item + 1) / per_seq : -1;
+        for (int64_t j = 0; nb >= 0 && j * geo.block_size < lens[nb]; ++j)
+          next_blocks.push_back(table[nb * t_sb + j] * geo.c_sn * static_cast<int64_t>(sizeof(T)));
+        const pdserve_cpu::BackgroundPrefetch next_keys{reinterpret_cast<const char*>(kp), next_blocks.data(),
+                                                        static_cast<int64_t>(next_blocks.size()), block_lines};
+        pdserve_cpu::PrefetchCursor next(next_keys, 0, next_keys.lines());
         attend_wide(dots, q_raw.data(), qf.data(), kp, vp, rows.data(), ctx, heads, geo, fscale, scores.data(),
-                    acc.data(), tile_scratch_at);
+                    acc.data(), tile_scratch_at, next);
       } else {
         scores_dispatch(qf.data(), kp, rows.data(), ctx, geo, scores.data());
         for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * ctx, ctx);

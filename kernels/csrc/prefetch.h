@@ -58,6 +58,11 @@ class PrefetchCursor {
   }
   // Whether any line is left: the kernels pick a loop without the cursors when none is.
   bool active() const { return left_ != 0; }
+  int64_t left() const { return left_; }
+  // The next `count` lines (fewer where fewer are left).
+  __attribute__((always_inline)) inline void some(int64_t count) {
+    for (int64_t i = 0; i < count; ++i) one();
+  }
   // Whatever is left, at once.
   void rest() {
     while (left_ != 0) one();
