@@ -16,6 +16,7 @@
 // decode rows in their background (prefetch.h), so that attention reads it from cache.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -96,15 +97,58 @@ BackgroundPrefetch weights_after(const at::Tensor& o, const at::Tensor& gate_up)
   return {base, kAt, 1, (end - base) / kLineBytes};
 }
 
+// Steps of at least this many rows prefetch the next layer's KV under the MLP (kv_prefetch_budget).
+constexpr int64_t kKvPrefetchRows = 16;
+
+// The first lines of each thread's share of a tile weight's units (groups of 32 columns; pairs of
+// them for a fused gate/up), as at::parallel_for hands the units out: where each stream of the
+// next projection starts. The offsets live as long as the struct.
+struct ShareStarts {
+  std::vector<int64_t> offsets;
+  BackgroundPrefetch of(const at::Tensor& w, bool pairs, int64_t bytes) {
+    if (bytes <= 0 || w.dim() != 5 || !w.is_contiguous()) return {};
+    const int64_t threads = at::get_num_threads();
+    const int64_t unit_bytes = w.stride(0) * w.element_size() * (pairs ? 2 : 1);
+    const int64_t units = w.size(0) / (pairs ? 2 : 1), chunk = (units + threads - 1) / threads;
+    for (int64_t t = 0; t < threads && t * chunk < units; ++t) offsets.push_back(t * chunk * unit_bytes);
+    return {static_cast<const char*>(w.data_ptr()), offsets.data(), static_cast<int64_t>(offsets.size()),
+            std::min(bytes, unit_bytes * chunk) / kLineBytes};
+  }
+};
+
+// How much of the start of each thread's share of the next projection's weight to prefetch under
+// this projection, for a step of `rows` rows (none where the MLP prefetches the next layer's KV).
+// A thread's stream starts cold: at one row (the hardware streams the weights) and at 5 to 15
+// rows (the kernel prefetches its own weight 16 KiB ahead, which leaves the first 16 KiB of each
+// stream to wait on DRAM) that start now arrives under the projection before. Engine decode steps
+// on a 2-core Zen 4 (SmolLM2, context 256), in-process rounds of 16 steps for each size:
+//   batch 1:  none 10.56 ms, 32 KiB 9.94, 64 KiB 9.96, 96 KiB 10.08 (32 KiB the best in 8 of 12);
+//   batch 8:  none 11.60, 8 KiB 10.81, 16 KiB 10.71, 24 KiB 10.60; 64 KiB 12.08 against 11.78;
+//   batch 12: none 15.33, 16 KiB 14.91 (5 of 6).
+// At 2 to 4 rows it lost (batch 4: none 9.03, 32 KiB 9.82; batch 2 even). Only the VDPBF16PS
+// tiles, where it was measured (AMX untested).
+int64_t warm_bytes(int64_t rows) {
+  static const bool tiles = tile_kernel() == "avx512_bf16";
+  if (!tiles) return 0;
+  if (rows == 1) return int64_t{32} << 10;
+  return rows > 4 && rows < kKvPrefetchRows ? int64_t{16} << 10 : 0;
+}
+
 at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tensor& post_norm, const at::Tensor* proj,
                              const at::Tensor& after, const at::Tensor& positions, const at::Tensor& cos,
                              const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                              const at::Tensor& slot_mapping, const StepShape& step, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
-                             double scale, const BackgroundPrefetch& next_kv) {
+                             double scale, const BackgroundPrefetch& next_kv, const at::Tensor* next_qkv) {
   const int64_t tokens = x.size(0), hidden = x.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const at::Tensor qkv_out = project(h, proj[0], q_size + 2 * kv_size);
+  // Each projection prefetches where the threads' streams of the next one start (warm_bytes).
+  const int64_t warm = next_kv.lines() == 0 ? warm_bytes(tokens) : 0;
+  ShareStarts s_o, s_gu, s_down, s_next;
+  const BackgroundPrefetch w_o = s_o.of(proj[1], false, warm), w_gu = s_gu.of(proj[2], true, warm);
+  const BackgroundPrefetch w_down = s_down.of(proj[3], false, warm);
+  const BackgroundPrefetch w_next = next_qkv != nullptr ? s_next.of(*next_qkv, false, warm) : BackgroundPrefetch{};
+  const at::Tensor qkv_out = project(h, proj[0], q_size + 2 * kv_size, PrefetchRange{&w_o, 0, w_o.lines()});
   const at::Tensor q = qkv_out.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
   const at::Tensor k = qkv_out.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
   const at::Tensor v = qkv_out.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -115,12 +159,15 @@ at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tenso
   // Zen 4, in-process A/B rounds of 40 steps each way: 11.65-11.89 -> 11.31-11.37 ms, won 32 of 32.
   const BackgroundPrefetch spare = weights_after(proj[1], proj[2]);
   const at::Tensor attn = attention(q, k, v, k_cache, v_cache, step, scale, spare);
-  const at::Tensor h2 = add_rms_norm_(x, project(attn.reshape({tokens, q_size}), proj[1], hidden), post_norm, eps);
+  const at::Tensor h2 = add_rms_norm_(x, project(attn.reshape({tokens, q_size}), proj[1], hidden,
+                                                 PrefetchRange{&w_gu, 0, w_gu.lines()}), post_norm, eps);
   // The next layer's KV (if any) trickles into the caches under the MLP, split by FLOPs: two thirds
   // under the gate/up projection, the rest under the down projection.
   const int64_t lines = next_kv.lines(), split = lines * 2 / 3;
-  const at::Tensor act = project_silu_mul(h2, proj[2], intermediate_size, PrefetchRange{&next_kv, 0, split});
-  const at::Tensor mlp = project(act, proj[3], hidden, PrefetchRange{&next_kv, split, lines});
+  const at::Tensor act = project_silu_mul(h2, proj[2], intermediate_size,
+                                          lines > 0 ? PrefetchRange{&next_kv, 0, split} : PrefetchRange{&w_down, 0, w_down.lines()});
+  const at::Tensor mlp = project(act, proj[3], hidden,
+                                 lines > 0 ? PrefetchRange{&next_kv, split, lines} : PrefetchRange{&w_next, 0, w_next.lines()});
   return add_rms_norm_(x, mlp, after, eps);
 }
 
@@ -179,8 +226,6 @@ struct DecodeKvBlocks {
 // by compute and leave memory idle. Engine steps on a 2-core Zen 4, batch 32 (context 256):
 // decode attention 9.8 -> 5.6 ms, the MLP's projections 13.3 -> 14.7, the step 34.5 -> 31.5;
 // at batch 8 (bound by memory) the projections lost what attention gained, and batch 1 lost.
-constexpr int64_t kKvPrefetchRows = 16;
-
 int64_t kv_prefetch_budget(const at::Tensor& gate_up, int64_t rows) {
   static const int64_t budget = [] {
     const char* env = std::getenv("PDSERVE_KV_PREFETCH");
@@ -252,7 +297,8 @@ at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, at::TensorList 
     const BackgroundPrefetch next_kv = l + 1 < layers ? decode_kv.layer(l + 1) : BackgroundPrefetch{};
     h = layer_from_normed(x, h, w[1], proj, after, positions, cos, sin, layer_cache.select(0, 0),
                           layer_cache.select(0, 1), slot_mapping, step, num_heads, num_kv_heads, head_dim,
-                          intermediate_size, eps, scale, next_kv);
+                          intermediate_size, eps, scale, next_kv,
+                          l + 1 < layers ? (large ? large_weights.data() + kProjections * (l + 1) : w + kPerLayer + 2) : nullptr);
   }
   return h;
 }
