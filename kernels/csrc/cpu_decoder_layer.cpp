@@ -78,12 +78,6 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out;
 }
 
-// One layer from h, its input already normalised: x += attention, then x += MLP, in place. The
-// residual adds go with the norms after them (add_rms_norm_: one pass, the same numbers as
-// `x += y` then rms_norm): the post-attention norm, then `after` (the next layer's input norm or
-// the final one), whose output it returns. `proj` holds the layer's four projections in the
-// packing this step's row count takes; `next_kv`, possibly empty, is the next layer's KV that the
-// MLP's projections prefetch in their background (kv_prefetch_budget).
 // The output projection's weight and, where it follows in memory (the packed weights lie side by
 // side in the order the layer reads them: model/llama.py), the gate/up's, as one span of lines;
 // nothing for weights that are not plain tensors (oneDNN's).
@@ -134,6 +128,13 @@ int64_t warm_bytes(int64_t rows) {
   return rows > 4 && rows < kKvPrefetchRows ? int64_t{16} << 10 : 0;
 }
 
+// One layer from h, its input already normalised: x += attention, then x += MLP, in place. The
+// residual adds go with the norms after them (add_rms_norm_: one pass, the same numbers as
+// `x += y` then rms_norm): the post-attention norm, then `after` (the next layer's input norm or
+// the final one), whose output it returns. `proj` holds the layer's four projections in the
+// packing this step's row count takes; `next_kv`, possibly empty, is the next layer's KV that the
+// MLP's projections prefetch in their background (kv_prefetch_budget); `next_qkv`, null after the
+// last layer, the next layer's qkv weight, whose streams' starts the down projection prefetches.
 at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tensor& post_norm, const at::Tensor* proj,
                              const at::Tensor& after, const at::Tensor& positions, const at::Tensor& cos,
                              const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
@@ -162,12 +163,15 @@ at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tenso
   const at::Tensor h2 = add_rms_norm_(x, project(attn.reshape({tokens, q_size}), proj[1], hidden,
                                                  PrefetchRange{&w_gu, 0, w_gu.lines()}), post_norm, eps);
   // The next layer's KV (if any) trickles into the caches under the MLP, split by FLOPs: two thirds
-  // under the gate/up projection, the rest under the down projection.
+  // under the gate/up projection, the rest under the down projection. Without it, the starts of
+  // the down projection's streams, then of the next layer's qkv.
   const int64_t lines = next_kv.lines(), split = lines * 2 / 3;
-  const at::Tensor act = project_silu_mul(h2, proj[2], intermediate_size,
-                                          lines > 0 ? PrefetchRange{&next_kv, 0, split} : PrefetchRange{&w_down, 0, w_down.lines()});
-  const at::Tensor mlp = project(act, proj[3], hidden,
-                                 lines > 0 ? PrefetchRange{&next_kv, split, lines} : PrefetchRange{&w_next, 0, w_next.lines()});
+  const PrefetchRange under_gate_up =
+      lines > 0 ? PrefetchRange{&next_kv, 0, split} : PrefetchRange{&w_down, 0, w_down.lines()};
+  const PrefetchRange under_down =
+      lines > 0 ? PrefetchRange{&next_kv, split, lines} : PrefetchRange{&w_next, 0, w_next.lines()};
+  const at::Tensor act = project_silu_mul(h2, proj[2], intermediate_size, under_gate_up);
+  const at::Tensor mlp = project(act, proj[3], hidden, under_down);
   return add_rms_norm_(x, mlp, after, eps);
 }
 
@@ -295,10 +299,12 @@ at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, at::TensorList 
     const at::Tensor& after = l + 1 < layers ? w[kPerLayer] : final_norm;  // the next layer's input norm
     const at::Tensor layer_cache = kv_cache.select(0, l);
     const BackgroundPrefetch next_kv = l + 1 < layers ? decode_kv.layer(l + 1) : BackgroundPrefetch{};
+    const at::Tensor* next_qkv = l + 1 == layers ? nullptr
+                                 : large      ? large_weights.data() + kProjections * (l + 1)
+                                              : w + kPerLayer + 2;
     h = layer_from_normed(x, h, w[1], proj, after, positions, cos, sin, layer_cache.select(0, 0),
                           layer_cache.select(0, 1), slot_mapping, step, num_heads, num_kv_heads, head_dim,
-                          intermediate_size, eps, scale, next_kv,
-                          l + 1 < layers ? (large ? large_weights.data() + kProjections * (l + 1) : w + kPerLayer + 2) : nullptr);
+                          intermediate_size, eps, scale, next_kv, next_qkv);
   }
   return h;
 }

@@ -1,5 +1,8 @@
 // Memory a kernel prefetches in the background of its own work, a line at a time between its own
-// loads: the next layer's KV cache while this layer's MLP multiplies (cpu_decoder_layer.cpp).
+// loads: the next layer's KV cache while this layer's MLP multiplies, or where each thread's
+// stream of the next projection starts (cpu_decoder_layer.cpp); the keys of a thread's next
+// sequence while decode attention sums the values of this one, and the next weights on a thread
+// left without a sequence (cpu_attention.cpp).
 //
 // Why: at batch 32 a decode step's projections are bound by compute (the weights stream in a
 // third of their time), and decode attention then reads its KV from DRAM with the vector units
