@@ -37,7 +37,6 @@ import torch
 
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.kernels import cpu_linear
 from pdserve.kernels.huge_pages import zeros_on_huge_pages
 from pdserve.model.llama import DecoderLayer, Linear
 from pdserve.model.weights import load_model
@@ -56,7 +55,7 @@ def machine_gemm_rate(dtype: torch.dtype, repeats: int, engine_linear: Linear | 
         cases.append((functools.partial(torch.matmul, a, b), 2.0 * m * k * n))
     if engine_linear is not None:
         n, k = engine_linear.weight.shape
-        cases.append((functools.partial(project, engine_linear, torch.randn(1024, k, dtype=dtype)), 2.0 * 1024 * k * n))
+        cases.append((functools.partial(engine_linear, torch.randn(1024, k, dtype=dtype), tile_order=True), 2.0 * 1024 * k * n))
     best = 0.0
     with torch.inference_mode():
         for run, flops in cases:
@@ -66,14 +65,6 @@ def machine_gemm_rate(dtype: torch.dtype, repeats: int, engine_linear: Linear | 
                 run()
                 best = max(best, flops / (time.perf_counter() - t))
     return best
-
-
-def project(linear: Linear, x: torch.Tensor) -> torch.Tensor:
-    """x through `linear`'s matmul as the engine's layers run it: on its tiles where it has them,
-    their columns in the tiles' own order (a gate/up's in pairs, which Linear.forward would put
-    back with a copy), else through the module."""
-    tiles = linear.tiles_for(x)
-    return linear(x) if tiles is None else cpu_linear.tile_linear(linear.ops, x, tiles, linear.out_features)
 
 
 def bandwidth_tensors(megabytes: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,8 +114,8 @@ def bare_matmuls(engine: Engine, tokens: int, sampled_rows: int, repeats: int) -
     with torch.inference_mode():
         for _ in range(repeats + 1):
             t = time.perf_counter()
-            for m in linears:
-                project(m, x[m.weight.shape[1]])
+            for m in linears:  # a gate/up's columns as its tiles give them: no reordering copy
+                m(x[m.weight.shape[1]], tile_order=True)
             model.lm_head(head)
             times.append(time.perf_counter() - t)
     return statistics.median(times[1:])

@@ -40,7 +40,7 @@ class Linear(nn.Module):
       cpu_linear.TILE_MAX_ROWS rows (large prefills), where oneDNN is faster.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, gate_up_of: int = 0) -> None:
         super().__init__()
         assert not bias, "Llama projections have no bias"
         self.weight = nn.Parameter(torch.empty(in_features, out_features).t())
@@ -49,9 +49,9 @@ class Linear(nn.Module):
         self.panels: torch.Tensor | None = None
         self.tiles: torch.Tensor | None = None
         self.ops: object | None = None
-        # A gate/up projection's intermediate size (MLP sets it): its tiles then pair the two
+        # A gate/up projection's intermediate size (0 for any other): its tiles then pair the two
         # halves' groups, as the fused SiLU-mul kernel reads them (cpu_linear.pack_gate_up_tiles).
-        self.gate_up_of = 0
+        self.gate_up_of = gate_up_of
 
     def pack_onednn(self, batch_hint: int = 64) -> None:
         """Keep a oneDNN-packed copy of the weight for the CPU matmul (the weight itself stays)."""
@@ -101,11 +101,13 @@ class Linear(nn.Module):
             return self.tiles
         return None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tile_order: bool = False) -> torch.Tensor:
+        """x W^T; with `tile_order`, through paired gate/up tiles the columns stay in the tiles'
+        pairs (as the compiled layers read them) instead of being put back in order."""
         tiles = self.tiles_for(x)
         if tiles is not None:
             y = cpu_linear.tile_linear(self.ops, x, tiles, self.out_features)
-            return cpu_linear.unpair_gate_up(y, self.gate_up_of) if self.tiles_paired else y
+            return cpu_linear.unpair_gate_up(y, self.gate_up_of) if self.tiles_paired and not tile_order else y
         if self.panels is not None:
             return cpu_linear.linear(self.ops, x, self.panels, self.out_features)
         if self.packed is not None:
@@ -239,8 +241,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.gate_up_proj.gate_up_of = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False,
+                                   gate_up_of=config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.intermediate_size = config.intermediate_size
         self.fused = None

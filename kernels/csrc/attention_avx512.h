@@ -217,14 +217,14 @@ void scores(const Dot& dot, const T* kp, const T* vp, const int64_t* rows, int64
   }
 }
 
-// out[(h G + g) d + c] = sum over pos of p[(h G + g) ctx + pos] * v_h[pos][c]. Within a tile the
-// accumulators of NC 16-float chunks of a head's G queries stay in registers; they live in `out`
-// between tiles. Needs d % (16 NC) == 0.
 // Lines of `next` for each of `products` products to spread it evenly over them.
 inline int64_t lines_per(const pdserve_cpu::PrefetchCursor& next, int64_t products) {
   return products > 0 ? (next.left() + products - 1) / products : 0;
 }
 
+// out[(h G + g) d + c] = sum over pos of p[(h G + g) ctx + pos] * v_h[pos][c]. Within a tile the
+// accumulators of NC 16-float chunks of a head's G queries stay in registers; they live in `out`
+// between tiles. Needs d % (16 NC) == 0. Prefetches `next` meanwhile (see the top of this file).
 template <int G, int NC, typename T>
 void weighted_sum(const float* p, const T* vp, const int64_t* rows, int64_t ctx, int64_t d, int64_t heads, float* out,
                   pdserve_cpu::PrefetchCursor& next) {

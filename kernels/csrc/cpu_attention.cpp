@@ -371,8 +371,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     if (begin >= items) {
       if (begin > items) return;  // one of them takes it all: the lines are read in order
       pdserve_cpu::PrefetchCursor cursor(spare, 0, spare.lines());
-      while (cursor.active() && items_left.load(std::memory_order_relaxed) > 0)
-        for (int i = 0; i < 16; ++i) cursor.one();
+      while (cursor.active() && items_left.load(std::memory_order_relaxed) > 0) cursor.some(16);
       return;
     }
     end = std::min(end, items);

@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <string>
 #include <unistd.h>
@@ -79,43 +80,49 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 // The output projection's weight and, where it follows in memory (the packed weights lie side by
-// side in the order the layer reads them: model/llama.py), the gate/up's, as one span of lines;
+// side in the order the layer reads them: model/llama.py), the gate/up's, as one run of lines;
 // nothing for weights that are not plain tensors (oneDNN's).
 BackgroundPrefetch weights_after(const at::Tensor& o, const at::Tensor& gate_up) {
-  static constexpr int64_t kAt[1] = {0};
   if (o.is_mkldnn() || gate_up.is_mkldnn() || !o.is_contiguous()) return {};
   const char* base = static_cast<const char*>(o.data_ptr());
   const char* end = base + o.nbytes();
   const char* next = gate_up.is_contiguous() ? static_cast<const char*>(gate_up.data_ptr()) : nullptr;
   if (next >= end && next - end < 4096) end = next + gate_up.nbytes();
-  return {base, kAt, 1, (end - base) / kLineBytes};
+  return BackgroundPrefetch::run(base, (end - base) / kLineBytes);
 }
 
 // Steps of at least this many rows prefetch the next layer's KV under the MLP (kv_prefetch_budget).
 constexpr int64_t kKvPrefetchRows = 16;
 
-// The first lines of each thread's share of a tile weight's units (groups of 32 columns; pairs of
-// them for a fused gate/up), as at::parallel_for hands the units out: where each stream of the
-// next projection starts. The offsets live as long as the struct.
-struct ShareStarts {
+// The first `bytes` of each thread's share of a tile weight's units (groups of 32 columns; pairs
+// of them for a fused gate/up), as at::parallel_for hands the units out: where each of the
+// projection's streams starts. The offsets are the same in every layer (the layers' weights have
+// one shape): built once a step from layer 0's, `of` moves them to a layer's weight.
+struct StreamStarts {
   std::vector<int64_t> offsets;
-  BackgroundPrefetch of(const at::Tensor& w, bool pairs, int64_t bytes) {
-    if (bytes <= 0 || w.dim() != 5 || !w.is_contiguous()) return {};
+  int64_t lines = 0;
+  StreamStarts() = default;
+  StreamStarts(const at::Tensor& w, bool pairs, int64_t bytes) {
+    if (bytes <= 0 || w.dim() != 5 || !w.is_contiguous()) return;
     const int64_t threads = at::get_num_threads();
     const int64_t unit_bytes = w.stride(0) * w.element_size() * (pairs ? 2 : 1);
     const int64_t units = w.size(0) / (pairs ? 2 : 1), chunk = (units + threads - 1) / threads;
     for (int64_t t = 0; t < threads && t * chunk < units; ++t) offsets.push_back(t * chunk * unit_bytes);
-    return {static_cast<const char*>(w.data_ptr()), offsets.data(), static_cast<int64_t>(offsets.size()),
-            std::min(bytes, unit_bytes * chunk) / kLineBytes};
+    lines = std::min(bytes, unit_bytes * chunk) / kLineBytes;
+  }
+  BackgroundPrefetch of(const at::Tensor& w) const {
+    if (lines == 0) return {};
+    return {static_cast<const char*>(w.data_ptr()), offsets.data(), static_cast<int64_t>(offsets.size()), lines};
   }
 };
 
 // How much of the start of each thread's share of the next projection's weight to prefetch under
 // this projection, for a step of `rows` rows (none where the MLP prefetches the next layer's KV).
-// A thread's stream starts cold: at one row (the hardware streams the weights) and at 5 to 15
-// rows (the kernel prefetches its own weight 16 KiB ahead, which leaves the first 16 KiB of each
-// stream to wait on DRAM) that start now arrives under the projection before. Engine decode steps
-// on a 2-core Zen 4 (SmolLM2, context 256), in-process rounds of 16 steps for each size:
+// A thread's stream starts cold: at one row (the hardware streams the weights) and from
+// kTileHardwareStreamRows + 1 rows (the kernel prefetches its own weight kTileOwnPrefetchBytes
+// ahead, which leaves the first that many bytes of each stream to wait on DRAM) that start now
+// arrives under the projection before. Engine decode steps on a 2-core Zen 4 (SmolLM2, context
+// 256), in-process rounds of 16 steps for each size:
 //   batch 1:  none 10.56 ms, 32 KiB 9.94, 64 KiB 9.96, 96 KiB 10.08 (32 KiB the best in 8 of 12);
 //   batch 8:  none 11.60, 8 KiB 10.81, 16 KiB 10.71, 24 KiB 10.60; 64 KiB 12.08 against 11.78;
 //   batch 12: none 15.33, 16 KiB 14.91 (5 of 6).
@@ -125,8 +132,11 @@ int64_t warm_bytes(int64_t rows) {
   static const bool tiles = tile_kernel() == "avx512_bf16";
   if (!tiles) return 0;
   if (rows == 1) return int64_t{32} << 10;
-  return rows > 4 && rows < kKvPrefetchRows ? int64_t{16} << 10 : 0;
+  return rows > kTileHardwareStreamRows && rows < kKvPrefetchRows ? kTileOwnPrefetchBytes : 0;
 }
+
+// Per projection of a layer (qkv, o, gate/up, down): where its threads' streams start.
+using LayerStreamStarts = std::array<StreamStarts, 4>;
 
 // One layer from h, its input already normalised: x += attention, then x += MLP, in place. The
 // residual adds go with the norms after them (add_rms_norm_: one pass, the same numbers as
@@ -134,21 +144,21 @@ int64_t warm_bytes(int64_t rows) {
 // the final one), whose output it returns. `proj` holds the layer's four projections in the
 // packing this step's row count takes; `next_kv`, possibly empty, is the next layer's KV that the
 // MLP's projections prefetch in their background (kv_prefetch_budget); `next_qkv`, null after the
-// last layer, the next layer's qkv weight, whose streams' starts the down projection prefetches.
+// last layer, the next layer's qkv weight, whose streams' starts (`starts`) the down projection
+// prefetches as each projection does the next one's.
 at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tensor& post_norm, const at::Tensor* proj,
                              const at::Tensor& after, const at::Tensor& positions, const at::Tensor& cos,
                              const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                              const at::Tensor& slot_mapping, const StepShape& step, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
-                             double scale, const BackgroundPrefetch& next_kv, const at::Tensor* next_qkv) {
+                             double scale, const BackgroundPrefetch& next_kv, const LayerStreamStarts& starts,
+                             const at::Tensor* next_qkv) {
   const int64_t tokens = x.size(0), hidden = x.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   // Each projection prefetches where the threads' streams of the next one start (warm_bytes).
-  const int64_t warm = next_kv.lines() == 0 ? warm_bytes(tokens) : 0;
-  ShareStarts s_o, s_gu, s_down, s_next;
-  const BackgroundPrefetch w_o = s_o.of(proj[1], false, warm), w_gu = s_gu.of(proj[2], true, warm);
-  const BackgroundPrefetch w_down = s_down.of(proj[3], false, warm);
-  const BackgroundPrefetch w_next = next_qkv != nullptr ? s_next.of(*next_qkv, false, warm) : BackgroundPrefetch{};
+  const BackgroundPrefetch w_o = starts[1].of(proj[1]), w_gu = starts[2].of(proj[2]);
+  const BackgroundPrefetch w_down = starts[3].of(proj[3]);
+  const BackgroundPrefetch w_next = next_qkv != nullptr ? starts[0].of(*next_qkv) : BackgroundPrefetch{};
   const at::Tensor qkv_out = project(h, proj[0], q_size + 2 * kv_size, PrefetchRange{&w_o, 0, w_o.lines()});
   const at::Tensor q = qkv_out.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
   const at::Tensor k = qkv_out.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -293,6 +303,14 @@ at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, at::TensorList 
   at::Tensor h = rms_norm(x, layers > 0 ? weights[0] : final_norm, eps);
   const int64_t budget = layers > 1 ? kv_prefetch_budget(large ? large_weights[2] : weights[4], tokens) : 0;
   const DecodeKvBlocks decode_kv(step, kv_cache, budget);
+  LayerStreamStarts starts;
+  if (layers > 0) {
+    const at::Tensor* first = large ? large_weights.data() : weights.data() + 2;  // layer 0's projections
+    const int64_t warm = warm_bytes(tokens);
+    const bool pairs = tile_fuses_silu_mul(first[2], intermediate_size);
+    starts = {StreamStarts(first[0], false, warm), StreamStarts(first[1], false, warm),
+              StreamStarts(first[2], pairs, warm), StreamStarts(first[3], false, warm)};
+  }
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + kPerLayer * l;
     const at::Tensor* proj = large ? large_weights.data() + kProjections * l : w + 2;
@@ -304,7 +322,7 @@ at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, at::TensorList 
                                               : w + kPerLayer + 2;
     h = layer_from_normed(x, h, w[1], proj, after, positions, cos, sin, layer_cache.select(0, 0),
                           layer_cache.select(0, 1), slot_mapping, step, num_heads, num_kv_heads, head_dim,
-                          intermediate_size, eps, scale, next_kv, next_qkv);
+                          intermediate_size, eps, scale, next_kv, starts, next_qkv);
   }
   return h;
 }

@@ -174,7 +174,7 @@ struct AmxChunks {
 template <int R, int Pitch, bool Prefetch, bool Trickle>
 void rows_by_group(const int32_t* x, const bf16* w, int64_t steps, float* acc,
                    pdserve_cpu::PrefetchCursor& background_, pdserve_cpu::PrefetchCursor& next_) {
-  constexpr int64_t kAhead = 8 * kStepElems;
+  constexpr int64_t kAhead = pdserve_cpu::kTileOwnPrefetchBytes / static_cast<int64_t>(sizeof(bf16));
   pdserve_cpu::PrefetchCursor background = background_, next = next_;
   __m512 c[R][2];
   for (int m = 0; m < R; ++m) c[m][0] = c[m][1] = _mm512_setzero_ps();
@@ -347,20 +347,19 @@ struct PairRows {
 // the group's weight from memory prefetches it, as the AMX path does; the others find it in L2.
 // With more than one block (more than 8 rows: bound by compute), every block of the chunk also
 // prefetches its share of the weight that follows this one in memory, the thread's next group
-// (for a gate/up weight, packed in pairs, the pair's up group or the next pair's gate group), so that memory keeps streaming while
-// the later blocks compute from L2, and the next group's first block finds its weight in L2
-// instead of waiting on DRAM. (After a thread's last group that is the next thread's weight, or
+// (for a gate/up weight, packed in pairs, the pair's up group or the next pair's gate group), so
+// that memory keeps streaming while the later blocks compute from L2, and the next group's first
+// block finds its weight in L2 instead of waiting on DRAM. (After a thread's last group that is the next thread's weight, or
 // past the packed weight's end: a prefetch never faults.)
 //
-// A chunk of up to kHardwareStreamRows rows leaves out the prefetch of its own weight where the
-// weights lie on transparent huge pages (`tile_weights_on_huge_pages`): there the hardware
+// A chunk of up to kTileHardwareStreamRows rows (ops.h) leaves out the prefetch of its own weight
+// where the weights lie on transparent huge pages (`tile_weights_on_huge_pages`): there the hardware
 // prefetcher streams them faster than with the 16 KiB-ahead prefetches, whose two instructions
 // per k pair are a large part of such a small chunk's work. Engine decode steps on a 2-core Zen 4
 // (SmolLM2, context 256), in-process A/B rounds: batch 1 11.0-11.4 -> 9.9-10.7 ms (won 14-15 of
 // 16-20 rounds, three runs), batch 2 12.8 -> 11.7 (11 of 12), batch 4 13.3-13.9 -> 11.8-13.2 (10-11
 // of 12); at 6 and 8 rows even (5-7 of 12). One thread streaming a 226 MB weight read 24-25 GB/s
 // without them and 18-20 with; on 4 KiB pages they help (15 -> 18).
-constexpr int kHardwareStreamRows = 4;
 
 struct Avx512Bf16Chunks {
   using Rows = PairRows;
@@ -369,11 +368,10 @@ struct Avx512Bf16Chunks {
   void operator()(int64_t m0, int rows, const bf16* w, int64_t steps, bool from_memory, float* acc,
                   pdserve_cpu::PrefetchCursor& background) const {
     const int blocks = (rows + kRowBlock - 1) / kRowBlock;
-    const bool own = from_memory && (rows > kHardwareStreamRows || !pdserve_cpu::tile_weights_on_huge_pages());
+    const bool own = from_memory && (rows > pdserve_cpu::kTileHardwareStreamRows || !pdserve_cpu::tile_weights_on_huge_pages());
     const bool ahead = from_memory && blocks > 1;
-    static constexpr int64_t kAt[1] = {0};
     const int64_t lines = steps * kStepElems * static_cast<int64_t>(sizeof(bf16)) / pdserve_cpu::kLineBytes;
-    const pdserve_cpu::BackgroundPrefetch after{reinterpret_cast<const char*>(w + steps * kStepElems), kAt, 1, lines};
+    const auto after = pdserve_cpu::BackgroundPrefetch::run(w + steps * kStepElems, lines);
     for (int b = 0; b < blocks; ++b) {
       const int m = b * kRowBlock, n = std::min<int>(kRowBlock, rows - m);
       const auto block = own && m == 0 ? rows_by_group_any<true> : rows_by_group_any<false>;

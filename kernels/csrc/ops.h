@@ -83,5 +83,9 @@ std::string tile_kernel();
 // false (prefetch) until the model that packs them says so (model/llama.py pack_cpu_linears).
 bool tile_weights_on_huge_pages();
 void set_tile_weights_on_huge_pages(bool on);
+// On VDPBF16PS, a chunk of up to this many rows on huge pages leaves its weight's stream to the
+// hardware prefetcher; larger chunks prefetch their weight kTileOwnPrefetchBytes ahead.
+constexpr int kTileHardwareStreamRows = 4;
+constexpr int64_t kTileOwnPrefetchBytes = int64_t{16} << 10;
 
 }  // namespace pdserve_cpu

@@ -26,6 +26,11 @@ struct BackgroundPrefetch {
   const int64_t* offsets = nullptr;
   int64_t spans = 0, span_lines = 0;
   int64_t lines() const { return spans * span_lines; }
+  // The `lines` lines from `at` on, as one span.
+  static BackgroundPrefetch run(const void* at, int64_t lines) {
+    static constexpr int64_t kFromBase[1] = {0};
+    return {static_cast<const char*>(at), kFromBase, 1, lines};
+  }
 };
 
 // Lines [begin, end) of a BackgroundPrefetch's spans, taken in order (a thread's share of them,
