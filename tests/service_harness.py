@@ -75,6 +75,16 @@ class Cluster:
         )
 
     def start(self, timeout: float = 180.0) -> Cluster:
+        """Start every process and wait until all are ready. If any fails to start, stop the ones
+        that did before raising: a fixture whose setup raises never reaches its teardown, and
+        its router and workers went on running (and taking CPU) for the rest of the session."""
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> Cluster:
         for i in range(self.num_routers):
             self.start_router(i)
         common = ["--router-address", ",".join(self.controls), "--model", self.model, "--threads", "1",
