@@ -148,3 +148,45 @@ def test_a_loop_whose_requests_cannot_run_yet_sleeps_instead_of_spinning(colocat
     loop.join(timeout=10)
     assert not loop.is_alive()
     assert 10 < len(steps) <= window / IDLE_SLEEP_S  # one step per idle sleep at most; spinning makes 10^5
+
+
+def test_idle_sleep_lengthens_only_for_a_loop_with_no_request():
+    from pdserve.worker.loop import IDLE_EMPTY_AFTER_S, IDLE_EMPTY_SLEEP_S, IDLE_SLEEP_S, idle_sleep
+
+    assert IDLE_EMPTY_SLEEP_S > IDLE_SLEEP_S
+    assert idle_sleep(None) == IDLE_SLEEP_S  # requests waiting on KV: poll often
+    assert idle_sleep(0.0) == IDLE_SLEEP_S  # just emptied: a next request is likely near
+    assert idle_sleep(IDLE_EMPTY_AFTER_S / 2) == IDLE_SLEEP_S
+    assert idle_sleep(IDLE_EMPTY_AFTER_S) == IDLE_EMPTY_SLEEP_S
+    assert idle_sleep(3600.0) == IDLE_EMPTY_SLEEP_S
+
+
+def test_an_empty_loop_polls_at_the_long_idle_sleep(colocated, monkeypatch):
+    """A worker with no request wakes a few hundred times a second, not thousands: it costs
+    its node's CPU nothing worth counting, and still picks up new work within milliseconds."""
+    import threading
+    import time
+
+    from pdserve.worker.loop import IDLE_EMPTY_AFTER_S, IDLE_EMPTY_SLEEP_S, IDLE_SLEEP_S
+
+    polls = []
+    reclaim = colocated.engine.reclaim
+
+    def counted_reclaim():
+        polls.append(time.monotonic())
+        reclaim()
+
+    monkeypatch.setattr(colocated.engine, "reclaim", counted_reclaim)
+    colocated.start()
+    loop = threading.Thread(target=colocated.run)
+    loop.start()
+    time.sleep(IDLE_EMPTY_AFTER_S * 2)
+    start = time.monotonic()
+    window = 0.5
+    time.sleep(window)
+    colocated.stop()
+    loop.join(timeout=10)
+    assert not loop.is_alive()
+    in_window = [t for t in polls if start <= t < start + window]
+    assert 10 < len(in_window) <= window / IDLE_EMPTY_SLEEP_S + 5  # at 0.5 ms sleeps it would be ~1,000
+    assert len(in_window) < window / IDLE_SLEEP_S / 4
