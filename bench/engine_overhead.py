@@ -75,10 +75,10 @@ def bandwidth_tensors(megabytes: int = 512) -> tuple[torch.Tensor, torch.Tensor]
             zeros_on_huge_pages((megabytes * 2**20 // 4,), torch.float32).fill_(1.0))
 
 
-def machine_bandwidth(repeats: int, tensors: tuple[torch.Tensor, ...] | None = None) -> float:
-    """The best bytes/s read by a sum over each of `tensors` (default: bandwidth_tensors())."""
+def machine_bandwidth(repeats: int, tensors: tuple[torch.Tensor, ...]) -> float:
+    """The best bytes/s read by a sum over each of `tensors` (bandwidth_tensors())."""
     best = 0.0
-    for x in tensors if tensors is not None else bandwidth_tensors():
+    for x in tensors:
         x.sum()
         for _ in range(repeats):
             t = time.perf_counter()

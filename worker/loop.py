@@ -176,10 +176,11 @@ class Worker(ABC):
                 self._accept_safely(work)
             self._guarded("transport poll", self.poll_io)
             self._guarded("block reclaim", self.engine.reclaim)
-            empty = idle = not self.engine.has_unfinished()
-            now = time.monotonic()
-            empty_since = (now if empty_since is None else empty_since) if empty else None
+            idle = not self.engine.has_unfinished()  # here: no request at all
+            if idle and empty_since is None:
+                empty_since = time.monotonic()
             if not idle:
+                empty_since = None
                 step_started = time.time_ns()
                 try:
                     outputs = self.engine.step()
@@ -198,7 +199,7 @@ class Worker(ABC):
                 # for a transfer) leave nothing to run: spinning would take the other worker's core.
                 idle = not outputs and not self.engine.last_step_ran
             if idle:
-                time.sleep(idle_sleep(None if empty_since is None else now - empty_since))
+                time.sleep(idle_sleep(None if empty_since is None else time.monotonic() - empty_since))
             self._flush()
             self._tick()
             if self._draining:

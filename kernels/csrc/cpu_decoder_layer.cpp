@@ -159,7 +159,7 @@ at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tenso
   const BackgroundPrefetch w_o = starts[1].of(proj[1]), w_gu = starts[2].of(proj[2]);
   const BackgroundPrefetch w_down = starts[3].of(proj[3]);
   const BackgroundPrefetch w_next = next_qkv != nullptr ? starts[0].of(*next_qkv) : BackgroundPrefetch{};
-  const at::Tensor qkv_out = project(h, proj[0], q_size + 2 * kv_size, PrefetchRange{&w_o, 0, w_o.lines()});
+  const at::Tensor qkv_out = project(h, proj[0], q_size + 2 * kv_size, PrefetchRange::all(w_o));
   const at::Tensor q = qkv_out.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
   const at::Tensor k = qkv_out.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
   const at::Tensor v = qkv_out.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -171,15 +171,15 @@ at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tenso
   const BackgroundPrefetch spare = weights_after(proj[1], proj[2]);
   const at::Tensor attn = attention(q, k, v, k_cache, v_cache, step, scale, spare);
   const at::Tensor h2 = add_rms_norm_(x, project(attn.reshape({tokens, q_size}), proj[1], hidden,
-                                                 PrefetchRange{&w_gu, 0, w_gu.lines()}), post_norm, eps);
+                                                 PrefetchRange::all(w_gu)), post_norm, eps);
   // The next layer's KV (if any) trickles into the caches under the MLP, split by FLOPs: two thirds
   // under the gate/up projection, the rest under the down projection. Without it, the starts of
   // the down projection's streams, then of the next layer's qkv.
   const int64_t lines = next_kv.lines(), split = lines * 2 / 3;
   const PrefetchRange under_gate_up =
-      lines > 0 ? PrefetchRange{&next_kv, 0, split} : PrefetchRange{&w_down, 0, w_down.lines()};
+      lines > 0 ? PrefetchRange{&next_kv, 0, split} : PrefetchRange::all(w_down);
   const PrefetchRange under_down =
-      lines > 0 ? PrefetchRange{&next_kv, split, lines} : PrefetchRange{&w_next, 0, w_next.lines()};
+      lines > 0 ? PrefetchRange{&next_kv, split, lines} : PrefetchRange::all(w_next);
   const at::Tensor act = project_silu_mul(h2, proj[2], intermediate_size, under_gate_up);
   const at::Tensor mlp = project(act, proj[3], hidden, under_down);
   return add_rms_norm_(x, mlp, after, eps);
@@ -303,9 +303,13 @@ at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, at::TensorList 
   at::Tensor h = rms_norm(x, layers > 0 ? weights[0] : final_norm, eps);
   const int64_t budget = layers > 1 ? kv_prefetch_budget(large ? large_weights[2] : weights[4], tokens) : 0;
   const DecodeKvBlocks decode_kv(step, kv_cache, budget);
+  // Layer l's four projections, in the packing this step's row count takes.
+  const auto proj_of = [&](int64_t l) {
+    return large ? large_weights.data() + kProjections * l : weights.data() + kPerLayer * l + 2;
+  };
   LayerStreamStarts starts;
   if (layers > 0) {
-    const at::Tensor* first = large ? large_weights.data() : weights.data() + 2;  // layer 0's projections
+    const at::Tensor* first = proj_of(0);
     const int64_t warm = warm_bytes(tokens);
     const bool pairs = tile_fuses_silu_mul(first[2], intermediate_size);
     starts = {StreamStarts(first[0], false, warm), StreamStarts(first[1], false, warm),
@@ -313,13 +317,11 @@ at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, at::TensorList 
   }
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + kPerLayer * l;
-    const at::Tensor* proj = large ? large_weights.data() + kProjections * l : w + 2;
+    const at::Tensor* proj = proj_of(l);
     const at::Tensor& after = l + 1 < layers ? w[kPerLayer] : final_norm;  // the next layer's input norm
     const at::Tensor layer_cache = kv_cache.select(0, l);
     const BackgroundPrefetch next_kv = l + 1 < layers ? decode_kv.layer(l + 1) : BackgroundPrefetch{};
-    const at::Tensor* next_qkv = l + 1 == layers ? nullptr
-                                 : large      ? large_weights.data() + kProjections * (l + 1)
-                                              : w + kPerLayer + 2;
+    const at::Tensor* next_qkv = l + 1 < layers ? proj_of(l + 1) : nullptr;  // never past the last layer
     h = layer_from_normed(x, h, w[1], proj, after, positions, cos, sin, layer_cache.select(0, 0),
                           layer_cache.select(0, 1), slot_mapping, step, num_heads, num_kv_heads, head_dim,
                           intermediate_size, eps, scale, next_kv, starts, next_qkv);

@@ -88,6 +88,8 @@ class PrefetchCursor {
 struct PrefetchRange {
   const BackgroundPrefetch* bp = nullptr;
   int64_t first = 0, last = 0;
+  // All of `bp`'s lines (which must outlive the range).
+  static PrefetchRange all(const BackgroundPrefetch& bp) { return {&bp, 0, bp.lines()}; }
   // Unit `part` of `parts`: an equal share of the range.
   PrefetchCursor share(int64_t part, int64_t parts) const {
     if (bp == nullptr) return {};
