@@ -29,7 +29,7 @@ each core stream at its own limit, the threads together read about that times th
 and every part of a step that runs on one thread (the engine's Python, the sampler, a lone
 sequence's attention, the waits at each projection's join) costs that many times its share of
 the roofline; where the host caps the whole VM, one thread already reads about what all do. On a
-2-core Zen 4 VM the same build read batch 1 at 0.78 of its roofline in the second state and 0.49
+2-core Zen 4 VM the same kernels read batch 1 at 0.78 of its roofline in the second state and 0.49
 in the first (one thread 30-34 GB/s in both; two threads 33-36 against 60-67).
 """
 
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         e = run()
         m = bare_matmuls(engine, tokens, sampled, args.repeats)
         after = machine()
-        gemm, bandwidth, one_thread = max(before[0], after[0]), max(before[1], after[1]), max(before[2], after[2])
+        gemm, bandwidth, one_thread = (max(b, a) for b, a in zip(before, after, strict=True))
         flops, nbytes = step_cost(engine, tokens, sampled, context, decode=decode)
         roof = max(nbytes / bandwidth, flops / gemm)
         print(f"{name:<22}{e * 1e3:>10.1f}{m * 1e3:>11.1f}{e / m:>6.2f}{tokens / e:>9.1f}{gemm / 1e9:>8.0f}"
