@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         gemm = machine_gemm_rate(dtype, args.repeats, first.mlp.gate_up_proj)
         bandwidth = machine_bandwidth(args.repeats, tensors)
         torch.set_num_threads(1)
-        one_thread = machine_bandwidth(args.repeats, tensors[1:])
+        one_thread = machine_bandwidth(args.repeats, tensors)
         torch.set_num_threads(args.threads)
         best["gemm"], best["bandwidth"] = max(best["gemm"], gemm), max(best["bandwidth"], bandwidth)
         return gemm, bandwidth, one_thread

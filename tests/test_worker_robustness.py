@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -16,12 +18,32 @@ from pdserve.kvtransfer.transport import ReceivedKV
 from pdserve.protocol.messages import GenerateRequest, KVTransfer
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.worker.colocated import ColocatedWorker
-from pdserve.worker.loop import model_fingerprint
+from pdserve.worker.loop import (
+    IDLE_EMPTY_AFTER_S,
+    IDLE_EMPTY_SLEEP_S,
+    IDLE_SLEEP_S,
+    idle_sleep,
+    model_fingerprint,
+)
 
 CFG = EngineConfig(dtype="float32", num_kv_blocks=64, block_size=4)
 OPTIONS = WorkerOptions(host="127.0.0.1", kv_port=0, health_port=0)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 ROUTER = "tcp://127.0.0.1:5550"
+
+
+def run_loop_for(worker, seconds: float) -> float:
+    """Run the worker's engine loop on a thread for `seconds`, then stop it and check that it
+    returned. Returns the monotonic time at which the loop was started."""
+    worker.start()
+    loop = threading.Thread(target=worker.run)
+    started = time.monotonic()
+    loop.start()
+    time.sleep(seconds)
+    worker.stop()
+    loop.join(timeout=10)
+    assert not loop.is_alive()
+    return started
 
 
 @pytest.fixture
@@ -125,11 +147,6 @@ def test_check_integrity_reports_a_lost_block():
 def test_a_loop_whose_requests_cannot_run_yet_sleeps_instead_of_spinning(colocated, monkeypatch):
     """Requests waiting on something outside the loop (KV still arriving, KV held for a transfer)
     leave nothing to run: the loop must not spin on the core the other worker computes on."""
-    import threading
-    import time
-
-    from pdserve.worker.loop import IDLE_SLEEP_S
-
     steps = []
 
     def idle_step():
@@ -139,20 +156,12 @@ def test_a_loop_whose_requests_cannot_run_yet_sleeps_instead_of_spinning(colocat
 
     monkeypatch.setattr(colocated.engine, "has_unfinished", lambda: True)
     monkeypatch.setattr(colocated.engine, "step", idle_step)
-    colocated.start()
-    loop = threading.Thread(target=colocated.run)
-    loop.start()
     window = 0.5
-    time.sleep(window)  # the measurement window itself: steps are counted over it
-    colocated.stop()
-    loop.join(timeout=10)
-    assert not loop.is_alive()
+    run_loop_for(colocated, window)  # the measurement window itself: steps are counted over it
     assert 10 < len(steps) <= window / IDLE_SLEEP_S  # one step per idle sleep at most; spinning makes 10^5
 
 
 def test_idle_sleep_lengthens_only_for_a_loop_with_no_request():
-    from pdserve.worker.loop import IDLE_EMPTY_AFTER_S, IDLE_EMPTY_SLEEP_S, IDLE_SLEEP_S, idle_sleep
-
     assert IDLE_EMPTY_SLEEP_S > IDLE_SLEEP_S
     assert idle_sleep(None) == IDLE_SLEEP_S  # requests waiting on KV: poll often
     assert idle_sleep(0.0) == IDLE_SLEEP_S  # just emptied: a next request is likely near
@@ -164,11 +173,6 @@ def test_idle_sleep_lengthens_only_for_a_loop_with_no_request():
 def test_an_empty_loop_polls_at_the_long_idle_sleep(colocated, monkeypatch):
     """A worker with no request wakes a few hundred times a second, not thousands: it costs
     its node's CPU nothing worth counting, and still picks up new work within milliseconds."""
-    import threading
-    import time
-
-    from pdserve.worker.loop import IDLE_EMPTY_AFTER_S, IDLE_EMPTY_SLEEP_S, IDLE_SLEEP_S
-
     polls = []
     reclaim = colocated.engine.reclaim
 
@@ -177,16 +181,8 @@ def test_an_empty_loop_polls_at_the_long_idle_sleep(colocated, monkeypatch):
         reclaim()
 
     monkeypatch.setattr(colocated.engine, "reclaim", counted_reclaim)
-    colocated.start()
-    loop = threading.Thread(target=colocated.run)
-    loop.start()
-    time.sleep(IDLE_EMPTY_AFTER_S * 2)
-    start = time.monotonic()
-    window = 0.5
-    time.sleep(window)
-    colocated.stop()
-    loop.join(timeout=10)
-    assert not loop.is_alive()
+    settle, window = IDLE_EMPTY_AFTER_S * 2, 0.5
+    start = run_loop_for(colocated, settle + window) + settle  # polls counted after the loop has settled
     in_window = [t for t in polls if start <= t < start + window]
     assert 10 < len(in_window) <= window / IDLE_EMPTY_SLEEP_S + 5  # at 0.5 ms sleeps it would be ~1,000
     assert len(in_window) < window / IDLE_SLEEP_S / 4
