@@ -6,6 +6,7 @@ a colocated worker's spans hang under the router's dispatch."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -104,32 +105,57 @@ def test_a_disaggregated_request_is_one_trace_across_router_prefill_and_decode(c
     assert all(s["status"] == "UNSET" for s in spans)
 
 
-# Long enough that the request is still decoding when the test reads its 5th chunk: with 600
-# tokens, a client slowed by a loaded machine (the full suite on 2 cores) read that chunk after
-# the tiny model had finished all of them, and found no decode worker to kill.
+# As long as the tiny model's context allows, so that the request is still decoding when the test
+# looks for the worker that runs it.
 MIGRATED_TOKENS = 1800
+
+
+def stream_in_background(url: str, body: dict) -> tuple[threading.Thread, dict]:
+    """POST a streamed completion and read it on a thread; the dict it returns fills in as the
+    chunks arrive ("status", "chunks", "errors", "id", and "exception" if reading failed). Read in
+    the test's own thread, the stream fell behind the worker's /info calls under the full suite's
+    load: the request had finished before its 5th chunk was looked at (failed in CI)."""
+    state: dict = {"status": None, "chunks": 0, "errors": [], "id": ""}
+
+    def read() -> None:
+        try:
+            with httpx.stream("POST", url, json=body, timeout=120) as r:
+                state["status"] = r.status_code
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    state["errors"] += [chunk["error"]] if "error" in chunk else []
+                    state["id"] = chunk.get("id", state["id"])
+                    state["chunks"] += 1
+        except Exception as e:  # surfaced by the test after the join
+            state["exception"] = e
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return reader, state
 
 
 def test_a_migrated_request_has_a_migration_and_a_second_dispatch_under_its_root(cluster):
     body = {"model": model_id(cluster), "prompt": "migrate and trace " * 3, "max_tokens": MIGRATED_TOKENS,
             "temperature": 0, "ignore_eos": True, "stream": True}
-    request_id, chunks, errors, victim = "", 0, [], None
-    with httpx.stream("POST", cluster.base_url + "/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            errors += [chunk["error"]] if "error" in chunk else []
-            request_id = chunk.get("id", request_id)
-            chunks += 1
-            if victim is None and chunks >= 5:  # kill the decode worker running it, once one reports it
-                running = [w for w in ("decode-0", "decode-1") if cluster.info(w)["running"] == 1]
-                if running:
-                    victim = running[0]
-                    cluster.kill(victim)
-    assert errors == []
+    reader, state = stream_in_background(cluster.base_url + "/v1/completions", body)
+    deadline = time.monotonic() + 60
+    while state["chunks"] < 5 and reader.is_alive():
+        assert time.monotonic() < deadline, "the stream did not start"
+        time.sleep(0.01)
+    victim = None
+    while victim is None and reader.is_alive():  # kill the decode worker running it, once one reports it
+        running = {w: cluster.info(w)["running"] for w in ("decode-0", "decode-1")}
+        busiest = max(running, key=lambda w: running[w])
+        if running[busiest]:
+            victim = busiest
+            cluster.kill(victim)
+    reader.join(timeout=120)
+    assert not reader.is_alive() and "exception" not in state, state.get("exception")
+    assert state["status"] == 200 and state["errors"] == []
     assert victim is not None, "no decode worker was seen running the request before it finished"
+    request_id = state["id"]
     survivor = "decode-1" if victim == "decode-0" else "decode-0"
 
     def complete(spans: list[dict]) -> bool:
