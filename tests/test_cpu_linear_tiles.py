@@ -66,9 +66,9 @@ def test_the_tile_linear_computes_the_plain_matmul_to_bfloat16_rounding(ops, row
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_a_few_rows_give_the_bits_they_give_among_eight_even_two_bytes_off_a_pair(ops, rows):
-    """One row goes to the kernel as it lies, without packing, and 2 to 4 rows packed only as wide
-    as they need (2 or 4 pairs a k pair, not 8), from wherever they start (here one element into
-    a row, so their pairs sit 2 bytes off 4): the same bits as the same rows among 8."""
+    """One row packs as a pair with a zero row and runs the two-row kernel, and 2 to 4 rows pack
+    only as wide as they need (2 or 4 pairs a k pair, not 8), from wherever they start (here one
+    element into a row, so their pairs sit 2 bytes off 4): the same bits as the same rows among 8."""
     torch.manual_seed(3 + rows)
     weight = torch.randn(96, 64).bfloat16()
     packed = cpu_linear.pack_tiles(weight)

@@ -170,7 +170,7 @@ struct AmxChunks {
 // loaded and stored again at every k pair.
 //
 // x holds each k pair of the R rows side by side, Pitch pairs from one k pair to the next: a
-// PairRows block (Pitch 8, or 2 or 4 for that few rows), or one row of x as it lies (Pitch 1).
+// PairRows block: Pitch 8, or 2 or 4 for that few rows.
 template <int R, int Pitch, bool Prefetch, bool Trickle>
 void rows_by_group(const int32_t* x, const bf16* w, int64_t steps, float* acc,
                    pdserve_cpu::PrefetchCursor& background_, pdserve_cpu::PrefetchCursor& next_) {
@@ -229,7 +229,6 @@ template <bool Prefetch, bool Trickle>
 void rows_by_group_r(int rows, const int32_t* x, int pitch, const bf16* w, int64_t steps, float* acc,
                      pdserve_cpu::PrefetchCursor& background, pdserve_cpu::PrefetchCursor& next) {
   switch (pitch) {
-    case 1: return rows_by_group_upto<1, 1, Prefetch, Trickle>(rows, x, w, steps, acc, background, next);
     case 2: return rows_by_group_upto<2, 2, Prefetch, Trickle>(rows, x, w, steps, acc, background, next);
     case 4: return rows_by_group_upto<4, 4, Prefetch, Trickle>(rows, x, w, steps, acc, background, next);
     default: return rows_by_group_upto<kRowBlock, kRowBlock, Prefetch, Trickle>(rows, x, w, steps, acc, background, next);
@@ -258,14 +257,19 @@ void rows_by_group_any(int rows, const int32_t* x, int pitch, const bf16* w, int
 // went the old way until the transpose took it too: 4 rows at K 1,536 5.75 -> 4.79 us (the call
 // from Python included; 1 row even, 3.3 us at K 576).
 //
-// One row is not packed at all: its pairs already lie one after the other, and the kernel reads
-// them where they are (Pitch 1). Packed, every k pair took a 32-byte slot of a buffer the weight's
-// stream had pushed out of the caches, so the packing waited on DRAM for K/16 lines of it at
-// every call: 4.4% of the main thread's samples at batch 1. Engine decode steps at batch 1 on a
-// 2-core Zen 4, in-process A/B rounds of 40 steps each way: 12.7-12.9 -> 11.5-11.6 ms, won 31 of
-// 32 rounds (two runs). Two to four rows pack into a block only as wide as they need, 2 or 4
-// pairs a k pair: batch 2 10.5-12.1 -> 10.1-11.4 ms (won 9 of 12 and 13 of 16 rounds), batch 3
-// 13.0 -> 12.9 (9 of 12), batch 4 13.5-13.7 -> 13.0-13.8 (7 of 12, 12 of 16).
+// Two to four rows pack into a block only as wide as they need, 2 or 4 pairs a k pair: batch 2
+// 10.5-12.1 -> 10.1-11.4 ms (won 9 of 12 and 13 of 16 rounds), batch 3 13.0 -> 12.9 (9 of 12),
+// batch 4 13.5-13.7 -> 13.0-13.8 (7 of 12, 12 of 16), against blocks of 8.
+//
+// One row packs as two, the second zero, and runs the two-row kernel (Avx512Bf16Chunks), whose
+// second row's products are wasted: a one-row step streams its weights faster that way. Over all
+// of SmolLM2's projections from Python on a 2-core Zen 4, alternating: 36-40 GB/s as one row
+// (the kernel reading x's pairs where they lie, Pitch 1) against 48-50 as a padded pair, in an
+// hour when two threads sum memory at 66-69 GB/s; 25-28 against 32-35 in a slower one. Engine
+// decode steps at batch 1, in-process A/B rounds of 30 steps each way: 8.62 -> 8.40 ms, won 12
+// of 12 rounds. (Two sessions before, one row packed into a block of 8 pairs a k pair, 32 bytes
+// each, lost to Pitch 1: that packing waited on DRAM for the buffer's lines. A pair's buffer is a
+// quarter of it.)
 struct PairRows {
   // out[p * P + r] = pair p of row r (x's rows at stride ldx) for the first `rows` (<= P) rows,
   // zero for the rest of the P; P 2, 4 or 8, half_k % 8 == 0. Eight pairs of each row at a time:
@@ -311,16 +315,12 @@ struct PairRows {
     }
   }
 
-  at::Tensor pairs;  // int32 [ceil(M / 8), K / 2, 8], or [K / 2, pitch] for 2 to 4 rows; none for one
+  at::Tensor pairs;  // int32 [ceil(M / 8), K / 2, 8], or [K / 2, pitch] for 1 to 4 rows
   int64_t half_k;
-  const int32_t* data;  // pairs, or for one row x itself, whose pairs lie one after the other
+  const int32_t* data;  // pairs' data
   int pitch_;
   PairRows(const bf16* x, int64_t ldx, int64_t m, int64_t k)
-      : half_k(k / 2), pitch_(m == 1 ? 1 : m == 2 ? 2 : m <= 4 ? 4 : static_cast<int>(kRowBlock)) {
-    if (m == 1) {
-      data = reinterpret_cast<const int32_t*>(x);
-      return;
-    }
+      : half_k(k / 2), pitch_(m <= 2 ? 2 : m <= 4 ? 4 : static_cast<int>(kRowBlock)) {
     const int64_t blocks = (m + pitch_ - 1) / pitch_;  // one where the pitch is under 8
     pairs = at::empty({blocks, half_k, pitch_}, at::kInt);
     int32_t* out = pairs.data_ptr<int32_t>();
@@ -373,7 +373,8 @@ struct Avx512Bf16Chunks {
     const int64_t lines = steps * kStepElems * static_cast<int64_t>(sizeof(bf16)) / pdserve_cpu::kLineBytes;
     const auto after = pdserve_cpu::BackgroundPrefetch::run(w + steps * kStepElems, lines);
     for (int b = 0; b < blocks; ++b) {
-      const int m = b * kRowBlock, n = std::min<int>(kRowBlock, rows - m);
+      // A lone row runs as the pair PairRows packed it into, its second row zero.
+      const int m = b * kRowBlock, n = in.pitch() == 2 ? 2 : std::min<int>(kRowBlock, rows - m);
       const auto block = own && m == 0 ? rows_by_group_any<true> : rows_by_group_any<false>;
       auto next = ahead ? pdserve_cpu::PrefetchCursor(after, lines * b / blocks, lines * (b + 1) / blocks)
                         : pdserve_cpu::PrefetchCursor();
