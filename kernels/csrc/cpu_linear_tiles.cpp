@@ -317,7 +317,7 @@ struct PairRows {
 
   at::Tensor pairs;  // int32 [ceil(M / 8), K / 2, 8], or [K / 2, pitch] for 1 to 4 rows
   int64_t half_k;
-  const int32_t* data;  // pairs' data
+  const int32_t* data;  // pairs.data_ptr()
   int pitch_;
   PairRows(const bf16* x, int64_t ldx, int64_t m, int64_t k)
       : half_k(k / 2), pitch_(m <= 2 ? 2 : m <= 4 ? 4 : static_cast<int>(kRowBlock)) {
