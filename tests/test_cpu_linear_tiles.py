@@ -84,6 +84,34 @@ def test_a_few_rows_give_the_bits_they_give_among_eight_even_two_bytes_off_a_pai
     assert ((alone.double() - truth).abs() <= truth.abs() * 2**-8 + scale * 1e-6).all()
 
 
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_thread_done_with_its_share_takes_units_from_the_far_end_of_a_slower_threads(ops, two_threads):
+    """The tiles hand each thread its contiguous share of a weight's groups, and a thread with
+    none left takes the other's from its far end (work_shares.h): here thread 0 sleeps after each
+    unit, so thread 1 runs its own 20, then share 0's from the top down, while thread 0 goes on
+    from the bottom. Every unit runs exactly once."""
+    count, by = ops.stealing_shares_trace(40, 5000)
+    assert count.tolist() == [1] * 40
+    assert by[20:].tolist() == [1] * 20
+    share0 = by[:20].tolist()
+    kept = share0.count(0)  # thread 0 ran a prefix of its share, thread 1 the rest
+    assert share0 == [0] * kept + [1] * (20 - kept)
+    assert kept < 20, "thread 1 took none of the sleeping thread's units"
+
+
+@pytest.mark.parametrize("units", [0, 1, 3])
+def test_fewer_units_than_threads_still_run_each_once(ops, two_threads, units):
+    count, _ = ops.stealing_shares_trace(units, 0)
+    assert count.tolist() == [1] * units
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
 def test_a_step_computes_the_same_bits_whether_or_not_the_weights_count_as_on_huge_pages(ops, rows):
     """On huge pages, chunks of up to 4 rows leave their weight's stream to the hardware prefetcher

@@ -29,12 +29,15 @@
 #include "ops.h"
 #include "prefetch.h"
 #include "vec.h"
+#include "work_shares.h"
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <type_traits>
 
 namespace {
@@ -418,7 +421,8 @@ struct PortableChunks {
 constexpr int64_t kBlockBytes = 512 * 1024;
 
 // The loop both ops share: within a block of rows, each thread takes a share of the weight's
-// `units` (groups of 32 columns, or gate/up pairs of them) and calls
+// `units` (groups of 32 columns, or gate/up pairs of them), then what is left of the other
+// threads' shares from their far ends (work_shares.h), and calls
 // `per_chunk(chunks, unit, m0, rows, first, acc, background)` for each chunk of up to 32 rows from
 // row m0; `first` marks the block's first chunk, which reads the unit's weight from memory.
 // `Chunks` multiplies (one per thread: AMX tiles, VDPBF16PS or the portable loop). `background`
@@ -431,14 +435,17 @@ void by_row_blocks(const typename Chunks::Rows& xr, int64_t rows, int64_t steps,
   const int64_t block = std::max(kChunk, kBlockBytes / row_bytes / kChunk * kChunk);
   for (int64_t b0 = 0; b0 < rows; b0 += block) {
     const int64_t b_end = std::min(rows, b0 + block);
-    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    pdserve_cpu::StealingShares shares(units);
+    at::parallel_for(0, shares.threads(), 1, [&](int64_t begin, int64_t end) {
       Chunks chunks(xr);
       alignas(64) float acc[kChunk * kGroup];
-      for (int64_t u = begin; u < end; ++u) {
-        auto cursor = b0 == 0 ? background.share(u, units) : pdserve_cpu::PrefetchCursor();
-        for (int64_t m0 = b0; m0 < b_end; m0 += kChunk)
-          per_chunk(chunks, u, m0, static_cast<int>(std::min(kChunk, b_end - m0)), m0 == b0, acc, cursor);
-        cursor.rest();
+      for (int64_t t = begin; t < end; ++t) {
+        shares.run(t, [&](int64_t u) {
+          auto cursor = b0 == 0 ? background.share(u, units) : pdserve_cpu::PrefetchCursor();
+          for (int64_t m0 = b0; m0 < b_end; m0 += kChunk)
+            per_chunk(chunks, u, m0, static_cast<int>(std::min(kChunk, b_end - m0)), m0 == b0, acc, cursor);
+          cursor.rest();
+        });
       }
     });
   }
@@ -563,9 +570,31 @@ at::Tensor tile_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
   return y;
 }
 
+// For the tests: [2, units] int64, how many times each unit ran and the share (thread) that ran
+// it last, through the tiles' StealingShares on the current thread count; share 0's thread
+// sleeps `slow_us` microseconds after each unit, so that the others steal from it.
+at::Tensor stealing_shares_trace(int64_t units, int64_t slow_us) {
+  TORCH_CHECK(units >= 0 && slow_us >= 0, "units and slow_us must not be negative");
+  at::Tensor trace = at::zeros({2, units}, at::kLong);
+  int64_t* count = trace.data_ptr<int64_t>();
+  int64_t* by = count + units;
+  StealingShares shares(units);
+  at::parallel_for(0, shares.threads(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      shares.run(t, [&](int64_t u) {
+        __atomic_fetch_add(count + u, 1, __ATOMIC_RELAXED);
+        by[u] = t;
+        if (t == 0 && slow_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(slow_us));
+      });
+    }
+  });
+  return trace;
+}
+
 }  // namespace pdserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def("stealing_shares_trace(int units, int slow_us) -> Tensor", &pdserve_cpu::stealing_shares_trace);
   m.def("tile_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("tile_linear_silu_mul(Tensor x, Tensor packed, int intermediate) -> Tensor");
   m.def("tile_kernel() -> str", &pdserve_cpu::tile_kernel);
