@@ -11,7 +11,8 @@
 // 8.26 -> 7.85 (won 10 of 12 twice); batch 4 10.43 -> 10.49 (the old won 4 of 10), batch 8
 // 13.25 -> 13.67 and 12.00 -> 12.03 (the old won 6 of 12 and 4 of 10), batch 32 38.3 -> 35.6
 // (7 of 10): the last three within the noise there. A thief's unit is the far end of the other's
-// share, so the owner's stream through memory stays in order.
+// share, so the owner's stream through memory stays in order. Decode attention takes its
+// sequences the same way (cpu_attention.cpp), for sequences of different lengths.
 
 #pragma once
 
@@ -27,14 +28,18 @@ namespace pdserve_cpu {
 class StealingShares {
  public:
   explicit StealingShares(int64_t units)
-      : threads_(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units))),
+      : units_(units),
+        threads_(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units))),
         chunk_((units + threads_ - 1) / threads_),
         shares_(new Share[threads_]) {
     for (int64_t t = 0; t < threads_; ++t)
-      shares_[t].left.store(pack(t * chunk_, std::min(units, (t + 1) * chunk_)), std::memory_order_relaxed);
+      shares_[t].left.store(pack(begin_of(t), end_of(t)), std::memory_order_relaxed);
   }
   // How many shares: run at::parallel_for(0, threads(), 1, ...) and run(t, f) for each t it gives.
   int64_t threads() const { return threads_; }
+  // Share t's units as handed out, [begin_of(t), end_of(t)).
+  int64_t begin_of(int64_t t) const { return std::min(units_, t * chunk_); }
+  int64_t end_of(int64_t t) const { return std::min(units_, (t + 1) * chunk_); }
   // f(u) for the units share t's thread takes: its own from the front, then the others' from the back.
   template <typename F>
   void run(int64_t t, const F& f) {
@@ -61,7 +66,7 @@ class StealingShares {
         return front ? f : b - 1;
     }
   }
-  int64_t threads_, chunk_;
+  int64_t units_, threads_, chunk_;
   std::unique_ptr<Share[]> shares_;
 };
 
