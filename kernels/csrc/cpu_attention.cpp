@@ -439,8 +439,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     at::parallel_for(0, shares.threads(), 1, [&](int64_t begin, int64_t end) {
       Scratch s = scratch();
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t own_end = shares.end_of(t);
-        shares.run(t, [&](int64_t item) { attend(s, item, item >= shares.begin_of(t) && item + 1 < own_end ? item + 1 : -1); });
+        const int64_t own_begin = shares.begin_of(t), own_end = shares.end_of(t);
+        shares.run(t, [&](int64_t item) { attend(s, item, item >= own_begin && item + 1 < own_end ? item + 1 : -1); });
       }
     });
     return;
