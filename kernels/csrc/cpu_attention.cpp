@@ -367,7 +367,6 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   const int64_t items = batch * per_seq;
   const int64_t spare_units = spare.lines() > 0 && items < at::get_num_threads() && !at::in_parallel_region()
                                   ? at::get_num_threads() - items : 0;
-  std::atomic<int64_t> items_left{items};
   // One thread's scratch. The tile scratch (query pairs, copied key rows) comes from ATen's
   // allocator, which starts every block on a 64-byte line: a tile row across two lines loads at
   // half the rate.
@@ -379,8 +378,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     std::vector<int64_t> rows, next_blocks;
   };
   const auto scratch = [&] {
-    Scratch s{std::vector<float>(heads * group * d), std::vector<float>(heads * group * d), {},
-              std::vector<T>(heads * group * d), {}, nullptr, {}, {}};
+    const int64_t width = heads * group * d;
+    Scratch s;
+    s.qf.resize(width);
+    s.acc.resize(width);
+    s.q_raw.resize(width);
     if (tile_scratch > 0) {
       s.tiles = at::empty({tile_scratch}, q.options());
       s.tile_scratch_at = s.tiles.template data_ptr<T>();
@@ -394,7 +396,6 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     T* o = op + b * hq * d + h0 * group * d;  // out is contiguous
     if (ctx <= 0) {
       std::fill(o, o + width, from_float<T>(0.f));
-      items_left.fetch_sub(1, std::memory_order_relaxed);
       return;
     }
     for (int64_t r = 0; r < heads * group; ++r) {
@@ -426,7 +427,6 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     int64_t i = 0;
     for (; i + 8 <= width; i += 8) store8(o + i, load8(s.acc.data() + i));
     for (; i < width; ++i) o[i] = from_float<T>(s.acc[i]);
-    items_left.fetch_sub(1, std::memory_order_relaxed);
   };
   if (spare_units == 0) {
     // Every thread has items: each runs its share, then what is left of the others' from their
@@ -435,16 +435,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     // decode steps on a 2-core Zen 4, contexts 64 + i (900 / batch) for sequence i (the longer
     // half on one thread), in-process A/B rounds of 24 steps: batch 32 48.6 -> 44.1 ms (won 9 of
     // 10); batch 8, and contexts that happen to split evenly, within the noise (5 of 10).
-    pdserve_cpu::StealingShares shares(items);
-    at::parallel_for(0, shares.threads(), 1, [&](int64_t begin, int64_t end) {
-      Scratch s = scratch();
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t own_begin = shares.begin_of(t), own_end = shares.end_of(t);
-        shares.run(t, [&](int64_t item) { attend(s, item, item >= own_begin && item + 1 < own_end ? item + 1 : -1); });
-      }
-    });
+    pdserve_cpu::parallel_for_stealing(items, scratch, attend);
     return;
   }
+  std::atomic<int64_t> items_left{items};
   at::parallel_for(0, items + spare_units, 1, [&](int64_t begin, int64_t end) {
     if (begin >= items) {
       if (begin > items) return;  // one of them takes it all: the lines are read in order
@@ -454,7 +448,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     }
     end = std::min(end, items);
     Scratch s = scratch();
-    for (int64_t item = begin; item < end; ++item) attend(s, item, item + 1 < end ? item + 1 : -1);
+    for (int64_t item = begin; item < end; ++item) {
+      attend(s, item, item + 1 < end ? item + 1 : -1);
+      items_left.fetch_sub(1, std::memory_order_relaxed);
+    }
   });
 }
 

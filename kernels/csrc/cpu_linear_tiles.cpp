@@ -227,12 +227,13 @@ void rows_by_group_upto(int rows, const int32_t* x, const bf16* w, int64_t steps
 // The kernel for `rows` rows at `pitch` (at most as many rows as the pitch holds), with the
 // cursors' prefetches in its loop only where either has lines to prefetch: most calls have none
 // (every step of fewer than 16 rows), and their loop then holds nothing but the weight's own
-// loads, prefetches and products.
+// loads, prefetches and products. A block of pitch 2 always runs both rows: a lone row's pair is
+// zero (PairRows), and the two-row kernel streams the weight faster than a one-row one.
 template <bool Prefetch, bool Trickle>
 void rows_by_group_r(int rows, const int32_t* x, int pitch, const bf16* w, int64_t steps, float* acc,
                      pdserve_cpu::PrefetchCursor& background, pdserve_cpu::PrefetchCursor& next) {
   switch (pitch) {
-    case 2: return rows_by_group_upto<2, 2, Prefetch, Trickle>(rows, x, w, steps, acc, background, next);
+    case 2: return rows_by_group<2, 2, Prefetch, Trickle>(x, w, steps, acc, background, next);
     case 4: return rows_by_group_upto<4, 4, Prefetch, Trickle>(rows, x, w, steps, acc, background, next);
     default: return rows_by_group_upto<kRowBlock, kRowBlock, Prefetch, Trickle>(rows, x, w, steps, acc, background, next);
   }
@@ -264,7 +265,7 @@ void rows_by_group_any(int rows, const int32_t* x, int pitch, const bf16* w, int
 // 10.5-12.1 -> 10.1-11.4 ms (won 9 of 12 and 13 of 16 rounds), batch 3 13.0 -> 12.9 (9 of 12),
 // batch 4 13.5-13.7 -> 13.0-13.8 (7 of 12, 12 of 16), against blocks of 8.
 //
-// One row packs as two, the second zero, and runs the two-row kernel (Avx512Bf16Chunks), whose
+// One row packs as two, the second zero, and runs the two-row kernel (rows_by_group_r), whose
 // second row's products are wasted: a one-row step streams its weights faster that way. Over all
 // of SmolLM2's projections from Python on a 2-core Zen 4, alternating: 36-40 GB/s as one row
 // (the kernel reading x's pairs where they lie, Pitch 1) against 48-50 as a padded pair, in an
@@ -376,8 +377,7 @@ struct Avx512Bf16Chunks {
     const int64_t lines = steps * kStepElems * static_cast<int64_t>(sizeof(bf16)) / pdserve_cpu::kLineBytes;
     const auto after = pdserve_cpu::BackgroundPrefetch::run(w + steps * kStepElems, lines);
     for (int b = 0; b < blocks; ++b) {
-      // A lone row runs as the pair PairRows packed it into, its second row zero.
-      const int m = b * kRowBlock, n = in.pitch() == 2 ? 2 : std::min<int>(kRowBlock, rows - m);
+      const int m = b * kRowBlock, n = std::min<int>(kRowBlock, rows - m);
       const auto block = own && m == 0 ? rows_by_group_any<true> : rows_by_group_any<false>;
       auto next = ahead ? pdserve_cpu::PrefetchCursor(after, lines * b / blocks, lines * (b + 1) / blocks)
                         : pdserve_cpu::PrefetchCursor();
@@ -433,20 +433,18 @@ void by_row_blocks(const typename Chunks::Rows& xr, int64_t rows, int64_t steps,
                    const pdserve_cpu::PrefetchRange& background, const PerChunk& per_chunk) {
   const int64_t row_bytes = steps * kStep * static_cast<int64_t>(sizeof(bf16));
   const int64_t block = std::max(kChunk, kBlockBytes / row_bytes / kChunk * kChunk);
+  struct Thread {  // a thread's multiplier and accumulators, left uninitialised
+    Chunks chunks;
+    alignas(64) float acc[kChunk * kGroup];
+    explicit Thread(const typename Chunks::Rows& rows) : chunks(rows) {}
+  };
   for (int64_t b0 = 0; b0 < rows; b0 += block) {
     const int64_t b_end = std::min(rows, b0 + block);
-    pdserve_cpu::StealingShares shares(units);
-    at::parallel_for(0, shares.threads(), 1, [&](int64_t begin, int64_t end) {
-      Chunks chunks(xr);
-      alignas(64) float acc[kChunk * kGroup];
-      for (int64_t t = begin; t < end; ++t) {
-        shares.run(t, [&](int64_t u) {
-          auto cursor = b0 == 0 ? background.share(u, units) : pdserve_cpu::PrefetchCursor();
-          for (int64_t m0 = b0; m0 < b_end; m0 += kChunk)
-            per_chunk(chunks, u, m0, static_cast<int>(std::min(kChunk, b_end - m0)), m0 == b0, acc, cursor);
-          cursor.rest();
-        });
-      }
+    pdserve_cpu::parallel_for_stealing(units, [&] { return Thread(xr); }, [&](Thread& th, int64_t u, int64_t) {
+      auto cursor = b0 == 0 ? background.share(u, units) : pdserve_cpu::PrefetchCursor();
+      for (int64_t m0 = b0; m0 < b_end; m0 += kChunk)
+        per_chunk(th.chunks, u, m0, static_cast<int>(std::min(kChunk, b_end - m0)), m0 == b0, th.acc, cursor);
+      cursor.rest();
     });
   }
 }
@@ -570,23 +568,18 @@ at::Tensor tile_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
   return y;
 }
 
-// For the tests: [2, units] int64, how many times each unit ran and the share (thread) that ran
-// it last, through the tiles' StealingShares on the current thread count; share 0's thread
-// sleeps `slow_us` microseconds after each unit, so that the others steal from it.
+// For the tests: [2, units] int64, how many times each unit ran and the thread that ran it last,
+// through parallel_for_stealing (the tiles' and decode attention's) on the current thread count;
+// thread 0 sleeps `slow_us` microseconds after each unit, so that the others steal from it.
 at::Tensor stealing_shares_trace(int64_t units, int64_t slow_us) {
   TORCH_CHECK(units >= 0 && slow_us >= 0, "units and slow_us must not be negative");
   at::Tensor trace = at::zeros({2, units}, at::kLong);
   int64_t* count = trace.data_ptr<int64_t>();
   int64_t* by = count + units;
-  StealingShares shares(units);
-  at::parallel_for(0, shares.threads(), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      shares.run(t, [&](int64_t u) {
-        __atomic_fetch_add(count + u, 1, __ATOMIC_RELAXED);
-        by[u] = t;
-        if (t == 0 && slow_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(slow_us));
-      });
-    }
+  parallel_for_stealing(units, [] { return at::get_thread_num(); }, [&](int thread, int64_t u, int64_t) {
+    __atomic_fetch_add(count + u, 1, __ATOMIC_RELAXED);
+    by[u] = thread;
+    if (thread == 0 && slow_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(slow_us));
   });
   return trace;
 }

@@ -33,19 +33,18 @@ class StealingShares {
         chunk_((units + threads_ - 1) / threads_),
         shares_(new Share[threads_]) {
     for (int64_t t = 0; t < threads_; ++t)
-      shares_[t].left.store(pack(begin_of(t), end_of(t)), std::memory_order_relaxed);
+      shares_[t].left.store(pack(std::min(units_, t * chunk_), end_of(t)), std::memory_order_relaxed);
   }
-  // How many shares: run at::parallel_for(0, threads(), 1, ...) and run(t, f) for each t it gives.
+  // How many shares: run at::parallel_for(0, threads(), 1, ...) and run(t, f) for each t it gives
+  // (parallel_for_stealing below).
   int64_t threads() const { return threads_; }
-  // Share t's units as handed out, [begin_of(t), end_of(t)).
-  int64_t begin_of(int64_t t) const { return std::min(units_, t * chunk_); }
-  int64_t end_of(int64_t t) const { return std::min(units_, (t + 1) * chunk_); }
-  // f(u) for the units share t's thread takes: its own from the front, then the others' from the back.
+  // f(u, next) for the units share t's thread takes: its own from the front, `next` the unit after
+  // u in the share (-1 after its last), then the others' from the back, `next` -1.
   template <typename F>
   void run(int64_t t, const F& f) {
-    for (int64_t u; (u = take(shares_[t], true)) >= 0;) f(u);
+    for (int64_t u; (u = take(shares_[t], true)) >= 0;) f(u, u + 1 < end_of(t) ? u + 1 : int64_t{-1});
     for (int64_t k = 1; k < threads_; ++k)
-      for (int64_t u; (u = take(shares_[(t + k) % threads_], false)) >= 0;) f(u);
+      for (int64_t u; (u = take(shares_[(t + k) % threads_], false)) >= 0;) f(u, int64_t{-1});
   }
 
  private:
@@ -66,8 +65,21 @@ class StealingShares {
         return front ? f : b - 1;
     }
   }
+  // Where share t ends as handed out.
+  int64_t end_of(int64_t t) const { return std::min(units_, (t + 1) * chunk_); }
   int64_t units_, threads_, chunk_;
   std::unique_ptr<Share[]> shares_;
 };
+
+// at::parallel_for over `units` units through StealingShares: each thread makes its own state
+// once, `make()`, then calls f(state, u, next) for each unit it takes (`next` as in run).
+template <typename Make, typename F>
+void parallel_for_stealing(int64_t units, const Make& make, const F& f) {
+  StealingShares shares(units);
+  at::parallel_for(0, shares.threads(), 1, [&](int64_t begin, int64_t end) {
+    auto state = make();
+    for (int64_t t = begin; t < end; ++t) shares.run(t, [&](int64_t u, int64_t next) { f(state, u, next); });
+  });
+}
 
 }  // namespace pdserve_cpu
