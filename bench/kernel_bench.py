@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ def _env(name: str, default: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m pdserve.bench.kernel_bench", description=__doc__.split("\n")[0]
+        prog="python -m pdserve.bench.kernel_bench", description=(__doc__ or "").split("\n")[0]
     )
 
     def opt(name: str, default: str, kind: type, text: str) -> None:
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     group = args.num_heads // args.num_kv_heads
     elt = torch.empty((), dtype=dtype).element_size()
-    shape = dict(num_kv_heads=args.num_kv_heads, group=group, head_dim=args.head_dim,
+    shape: dict[str, Any] = dict(num_kv_heads=args.num_kv_heads, group=group, head_dim=args.head_dim,
                  block_size=args.block_size, dtype=dtype, device=device)  # fmt: skip
     kv_row = args.num_kv_heads * args.head_dim * elt  # bytes of one token's K (or V)
     q_row = args.num_heads * args.head_dim * elt

@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = Workload()
     p = argparse.ArgumentParser(
         prog="python -m pdserve.bench.offline_policies",
-        description=__doc__.split("\n\n")[0],
+        description=(__doc__ or "").split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(

@@ -89,7 +89,7 @@ class UpProcess:
 
     def model(self) -> str:
         if self._model is None:
-            self._model = httpx.get(f"{self.base_url}/v1/models", timeout=5).json()["data"][0]["id"]
+            self._model = str(httpx.get(f"{self.base_url}/v1/models", timeout=5).json()["data"][0]["id"])
         return self._model
 
     def routes(self, request_id_prefix: str = "") -> dict[str, list[str]]:

@@ -105,7 +105,7 @@ class PromptMaker:
         ids = self._tok.encode(body, add_special_tokens=False).ids
         # Token boundaries move when text is cut and re-joined: adjust the cut until the prompt,
         # prefix included, encodes to exactly num_tokens.
-        cut = need
+        cut, text = need, ""
         for _ in range(16):
             text = " ".join(x for x in (prefix, self._tok.decode(ids[:cut])) if x)
             got = self.count(text)

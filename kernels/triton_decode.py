@@ -144,7 +144,7 @@ def _decode_reduce_kernel(
         other=0.0,
     )
     total = tl.sum(w, 0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)  # pyright: ignore[reportOperatorIssue]
     tl.store(
         out_ptr + b * stride_ob + h * stride_oh + d * stride_od,
         out.to(out_ptr.dtype.element_ty),

@@ -90,7 +90,8 @@ def plan(args) -> list[tuple[str, list[str], int | None]]:
         pins += [dec_cores[i % len(dec_cores)] for i in range(args.num_decode)]
         router_core = rest[0]
     if args.no_pin:
-        pins, router_core = [None] * len(pins), None
+        pins = [None] * len(pins)
+        router_core = None
     engine = engine_argv(engine_config(args), threads=threads)
     children: list[tuple[str, list[str], int | None]] = [("router", router, router_core)]
     roles = [("decode", i) for i in range(args.num_decode)]

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 def span_record(span: ReadableSpan) -> dict[str, Any]:
     """One finished span as the JSON object above."""
     ctx, parent, res = span.context, span.parent, span.resource.attributes
+    assert ctx is not None, "a finished span has a context"
     return {
         "trace_id": f"{ctx.trace_id:032x}",
         "span_id": f"{ctx.span_id:016x}",

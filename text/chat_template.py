@@ -15,8 +15,9 @@ from datetime import datetime
 from typing import Any
 
 from jinja2 import Template, TemplateError, TemplateSyntaxError
+from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
 CHAT_TEMPLATE_TIMEOUT_S = 5.0

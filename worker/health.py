@@ -43,8 +43,8 @@ class HealthServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def log_message(self, fmt: str, *args) -> None:
-                log.debug("health: " + fmt, *args)
+            def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class's name)
+                log.debug("health: " + format, *args)
 
         self.live, self.ready, self.info = live, ready, info
         self.server = ThreadingHTTPServer((host, port), Handler)

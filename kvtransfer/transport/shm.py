@@ -18,7 +18,7 @@ from __future__ import annotations
 
 # The stdlib's own shm_open: attaching with SharedMemory(name=...) would register the segment
 # with this process's resource tracker, which would then unlink the sender's segment at exit.
-import _posixshmem
+import _posixshmem  # pyright: ignore[reportMissingImports]  (no stub: a private stdlib module)
 import contextlib
 import mmap
 import os

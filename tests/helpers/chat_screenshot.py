@@ -13,7 +13,7 @@ from pathlib import Path
 from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.helpers.browser import find_chromium, headless_chromium
-from tests.service_harness import Cluster
+from tests.helpers.service_harness import Cluster
 
 QUESTIONS = ("What is the capital of France?", "And of Italy?")
 
