@@ -76,9 +76,9 @@ def _log_tail(path: Path, n: int = 2000) -> str:
 
 # Where each kind of server says it is ready: pdserve's router answers /ready?warm=1 200 once a
 # worker of each role is up and every worker's KV cache is faulted in (kernels/huge_pages.py: a
-# first burst into a cold cache ran 30-50% slower; vLLM zeroes its cache before it is ready); vLLM
-# and llama-server have no /ready (404) but answer /health 200 once their model is loaded
-# (llama-server: 503 while loading).
+# burst into a cold cache pays for faulting it in, docs/cpu_kernels.md "Memory"; vLLM zeroes its
+# cache before it is ready); vLLM and llama-server have no /ready (404) but answer /health 200
+# once their model is loaded (llama-server: 503 while loading).
 READY_PATH = "/ready?warm=1"
 READY_FALLBACK = "/health"
 

@@ -7,13 +7,13 @@ The same run measures the machine: its GEMM rate (the best of square and prefill
 matmuls in the engine's dtype, and of the engine's own linear on the prefill shape) and its
 memory read bandwidth (a sum over a tensor far larger than the caches), both the best of the
 repeats. It measures them right before and right after each case and takes the better of the
-two for that case: on a VM that shares its host, the bandwidth a sum reads moved between 31 and
-61 GB/s within minutes (2-core Zen 4), and a figure taken once at the start was another
-machine's by the last case. For each case it times (a) one engine step through the scheduler,
-runner, paged attention and sampler (for decode, the median of the repeats after 4 untimed
-steps: the steady state), and (b) only the matmuls of the same model on the same number of
-tokens (every projection of every layer plus the LM head rows that sample). a/b is the engine's
-overhead: attention, norms, rotary, packing, sampling and Python.
+two for that case: on a VM that shares its host, the bandwidth a sum reads can double within
+minutes, and a figure taken once at the start may be another machine's by the last case. For
+each case it times (a) one engine step through the scheduler, runner, paged attention and
+sampler (for decode, the median of the repeats after 4 untimed steps: the steady state), and (b)
+only the matmuls of the same model on the same number of tokens (every projection of every
+layer plus the LM head rows that sample). a/b is the engine's overhead: attention, norms, rotary,
+packing, sampling and Python.
 
 The roofline of a step is the larger of its bytes over the bandwidth (every weight once, plus
 every KV byte a decode reads) and its FLOPs over the GEMM rate (matmuls and attention); "of
@@ -28,9 +28,8 @@ tensor larger than the caches.
 each core stream at its own limit, the threads together read about that times the thread count,
 and every part of a step that runs on one thread (the engine's Python, the sampler, a lone
 sequence's attention, the waits at each projection's join) costs that many times its share of
-the roofline; where the host caps the whole VM, one thread already reads about what all do. On a
-2-core Zen 4 VM the same kernels read batch 1 at 0.78 of its roofline in the second state and 0.49
-in the first (one thread 30-34 GB/s in both; two threads 33-36 against 60-67).
+the roofline; where the host caps the whole VM, one thread already reads about what all do. The
+same build's fractions differ between the two states (docs/cpu_kernels.md, "Measuring").
 """
 
 from __future__ import annotations
@@ -130,9 +129,9 @@ def bare_matmuls(engine: Engine, tokens: int, sampled_rows: int, repeats: int) -
 
 
 # Decode steps run and not timed after the prefills: the first few after a prefill are slower than
-# the steady state a server decodes in (on a 2-core Sapphire Rapids at batch 1, 13.6, 12.7 and
-# 11.5 ms, then 9.8-10.4; at batch 32, 33-43 ms, then 29-31), while the prefill's activations
-# leave the caches. A median of 5 right after the prefill caught two or three of them.
+# the steady state a server decodes in, while the prefill's activations leave the caches (the
+# first three on a 2-core Sapphire Rapids), and a median of 5 right after the prefill would take
+# two or three of them.
 WARMUP_DECODE_STEPS = 4
 
 

@@ -1,16 +1,34 @@
 #!/usr/bin/env bash
-# Reproduces docs/results.md: pdserve's batching strategies and the peer servers side by side, on
-# this machine, one run per table.
+# Measures pdserve's batching strategies and the peer servers side by side on this machine, one
+# `pdserve bench compare` per stage, then rewrites this machine kind's section of docs/results.md.
 #   bash bench/results.sh [OUT_DIR]        (about 45 minutes on 2 CPU cores with the peers)
+# The machine kind comes from /proc/cpuinfo: amx (AMX-BF16), avx512-bf16 (AVX512-BF16, no AMX),
+# avx512 (AVX-512F) or avx2. The raw run goes to OUT_DIR (default bench/results/<kind>, ignored by
+# git); `python -m pdserve.bench.results_page` then copies each stage's summary and the picture
+# the page shows into docs/results/<kind>/<stage>/ and renders the kind's section from them.
 # Peers: vLLM's CPU build and llama.cpp's llama-server join every table when
 # `bash ../shared/peers/setup.sh` has installed them (PEERS_DIR, default ~/.cache/pdserve-peers;
 # PEERS_SCRIPTS, default ../shared/peers). bfloat16 rows (pdserve and vLLM) are added only on a
 # CPU that computes bfloat16 natively (AVX512-BF16 or AMX-BF16); the other rows pin float32.
 # STAGES="saturation rate1 interference" runs a subset; ONLY="vllm mixed chunked" keeps only
-# those deployments.
+# those deployments; SWEEP_RATES=0.8,1.6,2.4 sets the interference sweep's rates.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-docs/results}
+# The command as typed, with the variables that shape the run: the results page shows it.
+CMD="bash bench/results.sh${1:+ $1}"
+for var in SWEEP_RATES ONLY STAGES; do
+  if [ -n "${!var:-}" ]; then CMD="$var=\"${!var}\" $CMD"; fi
+done
+case " $(grep -m1 '^flags' /proc/cpuinfo) " in
+  *" amx_bf16 "*) KIND=amx ;;
+  *" avx512_bf16 "*) KIND=avx512-bf16 ;;
+  *" avx512f "*) KIND=avx512 ;;
+  *) KIND=avx2 ;;
+esac
+OUT=${1:-bench/results/$KIND}
+CPU=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
+COMMIT=$(git rev-parse --short HEAD)
+DATE=$(date -u +%F)
 PD=.venv/bin/pdserve
 PEERS_DIR=${PEERS_DIR:-$HOME/.cache/pdserve-peers}
 PEERS_SCRIPTS=${PEERS_SCRIPTS:-../shared/peers}
@@ -20,8 +38,13 @@ mkdir -p "$OUT"
 export PDSERVE_REQUEST_TIMEOUT=${PDSERVE_REQUEST_TIMEOUT:-900}
 # Exact prompt lengths: count tokens with the served model's own tokenizer.
 .venv/bin/python -c "from tests.helpers.tiny_llama import default_tokenizer as t; t().save('$OUT/tokenizer.json')"
-grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo && BF16=1 || BF16=0
-{ grep -m1 'model name' /proc/cpuinfo | cut -d: -f2; grep -owE 'avx512_bf16|amx_bf16|avx512f|avx2' /proc/cpuinfo | sort -u | tr '\n' ' '; } > "$OUT/cpu.txt"
+case $KIND in amx | avx512-bf16) BF16=1 ;; *) BF16=0 ;; esac
+
+stamp() {  # $1: a finished stage's folder. What the results page prints above the stage's table.
+  .venv/bin/python -c 'import json, sys; p, cpu, n, c, d, cmd = sys.argv[1:]
+open(p, "w").write(json.dumps({"cpu": cpu, "cores": int(n), "commit": c, "date": d, "command": cmd}, indent=2) + "\n")' \
+    "$1/run.json" "$CPU" "$(nproc)" "$COMMIT" "$DATE" "$CMD"
+}
 
 PEERS=()
 if [ -x "$PEERS_DIR/vllmvenv/bin/vllm" ]; then
@@ -59,6 +82,7 @@ fi
 COMMON=(--endpoint completions --tokenizer "$OUT/tokenizer.json" --seed 0 --warmup 2 --no-progress --client-cpus 0)
 
 for stage in $STAGES; do
+  rm -rf "${OUT:?}/$stage"  # a stage's folder holds one run
   case $stage in
   saturation)  # W1: 64 prompts of 256 tokens, 64 output tokens, all sent at once -> throughput
     $PD bench compare "${DEPLOY[@]}" "${COMMON[@]}" --workload random --input-len 256 --output-len 64 \
@@ -78,4 +102,7 @@ for stage in $STAGES; do
       --output-dir "$OUT/concurrency32" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
+  stamp "$OUT/$stage"
 done
+# shellcheck disable=SC2086  # one argument per stage
+.venv/bin/python -m pdserve.bench.results_page --kind "$KIND" --run-dir "$OUT" --stages $STAGES

@@ -3,24 +3,17 @@
 A prefill step of thousands of tokens allocates activations of tens of megabytes in every layer
 (the MLP's gate/up output of 8,192 tokens is 50 MB in bfloat16). glibc serves blocks above its
 mmap threshold with a fresh mapping and returns freed heap memory to the kernel past its trim
-threshold, so each layer's temporaries were faulted in again page by page: a 64-prompt burst of
-256-token prompts took 1.5 million minor page faults, and on a 2-core Sapphire Rapids an
-8,192-token prefill step spent about a fifth of its time in them. Keeping blocks of up to
-32 MB (glibc's largest mmap threshold) on the heap and never trimming it reuses the same pages
-step after step: the same burst, offline in bfloat16, then took 0.69 million faults and served
-9.6-10.1 requests/s against 8.4-8.8. (glibc's `hugetlb` tunable, which can only be set before
-the process starts, cut the faults to 65 thousand and helped bfloat16 a little more, but made a
-float32 burst 8% slower: transparent huge pages are compacted on fault.)
-
-The blocks above 32 MB still got a fresh mapping each time: the gate/up output of a step of more
-than 5,461 tokens (bfloat16; 2,730 in float32), which a `mixed` step of whole prompts reaches in
-a burst. So glibc is also told to map nothing for malloc at all (M_MMAP_MAX 0): every block comes
-from the heap, which is never trimmed. On a 2-core Sapphire Rapids the MLPs of an 8,192-token
-step in bfloat16 then took 835-848 ms against 1,445-1,513 (the same as running them 2,048 rows at
-a time), and the W1 burst (64 prompts of 256 tokens, 64 output tokens, `mixed`, offline) served
-9.05-9.50 requests/s against 7.80-8.43, with no page faults after its first burst against 0.73
-million per burst. The cost: a process's heap keeps its largest step's temporaries (and any large
-block freed at load time) for reuse rather than handing them back.
+threshold, so each layer's temporaries would be faulted in again page by page, step after step.
+A CPU engine therefore keeps blocks of up to 32 MB (glibc's largest mmap threshold) on the heap,
+never trims it, and tells glibc to map nothing for malloc at all (M_MMAP_MAX 0): blocks above
+32 MB, such as the gate/up output of a step of more than 5,461 tokens (bfloat16; 2,730 in
+float32), which a `mixed` step of whole prompts reaches in a burst, would still be mapped afresh.
+Every block then comes from the heap, and a burst takes no page faults after its first. The W1
+burst offline (64 prompts of 256 tokens, 64 output tokens, `mixed`) measures it:
+docs/cpu_kernels.md, "Memory". The cost: a process's heap keeps its largest step's temporaries
+(and any large block freed at load time) for reuse rather than handing them back. glibc's
+`hugetlb` tunable, which can only be set before the process starts, is not used: it cut the
+faults further but made a float32 burst slower (transparent huge pages are compacted on fault).
 
 The KV cache and the packed weights go on transparent huge pages instead: kernels/huge_pages.py.
 """

@@ -105,13 +105,12 @@ class ModelRunner:
     def _pack_cpu_linears(self) -> str:
         """Pick and pack the CPU matmul (PDSERVE_CPU_LINEAR): the bfloat16 tile kernel, the compiled
         panel kernel, oneDNN's packed matmul, or MKL on the plain weight. `auto` takes the tiles for
-        bfloat16 where they run natively: on AMX (on a Sapphire Rapids they read decode steps'
-        weights 1.4-1.6x faster than oneDNN) or with AVX512-BF16 (on a Zen 4, 1.4-1.6x oneDNN from
-        1 to 8 rows, 1.15-1.24x at 32, even from 256); else oneDNN on CPUs with AVX-512 (its
-        kernels use 512-bit vectors, where our panel kernel is 8 wide: on a Sapphire Rapids it ran
-        a float32 prefill of 1,024 tokens 1.5x faster) and for bfloat16 wherever oneDNN computes
-        it; the compiled panel kernel elsewhere (AVX2: 1.2-1.9x oneDNN at decode sizes) when it
-        built. A choice this machine cannot run falls back in that order."""
+        bfloat16 where they run natively, on AMX or with AVX512-BF16 (they read decode steps'
+        weights faster than oneDNN); else oneDNN on CPUs with AVX-512 (its kernels use 512-bit
+        vectors, where our panel kernel is 8 wide) and for bfloat16 wherever oneDNN computes it;
+        the compiled panel kernel elsewhere (AVX2) when it built. A choice this machine cannot run
+        falls back in that order. `PDSERVE_CPU_LINEAR=<choice> python -m
+        pdserve.bench.engine_overhead` measures each against the default (docs/cpu_kernels.md)."""
         choice = os.environ.get(CPU_LINEAR_ENV, "auto")
         if choice not in CPU_LINEAR_CHOICES:
             raise ValueError(f"{CPU_LINEAR_ENV}={choice!r}: expected one of {', '.join(CPU_LINEAR_CHOICES)}")
@@ -203,8 +202,8 @@ class ModelRunner:
         if not samplers:
             return [], None
         # Every row samples in a decode-only step (rows ascend, so they are all of them in order):
-        # no gather. Right after the layers have streamed every weight through the caches, the
-        # gather's code and data come from DRAM: about 120 us of a batch-1 step on a 2-core Zen 4.
+        # no gather, whose code and data would come from DRAM right after the layers have streamed
+        # every weight through the caches.
         rows = hidden if len(sample_rows) == hidden.shape[0] else hidden[_tensor(sample_rows, torch.long).to(dev)]
         logits = self.model.compute_logits(rows)
         return samplers, self.sampler(logits, samplers)

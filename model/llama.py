@@ -38,6 +38,8 @@ class Linear(nn.Module):
       bfloat16 only; on a Sapphire Rapids it read the weights of decode steps 1.4-1.6x faster
       than oneDNN. With `onednn=True` the oneDNN copy is kept too, for steps of more than
       cpu_linear.TILE_MAX_ROWS rows (large prefills), where oneDNN is faster.
+    `PDSERVE_CPU_LINEAR=<choice> python -m pdserve.bench.engine_overhead` measures each layout
+    (docs/cpu_kernels.md, "Projections").
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, gate_up_of: int = 0) -> None:

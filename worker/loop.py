@@ -47,11 +47,10 @@ log = logging.getLogger(__name__)
 ROUTES_SWEEP_SECONDS = 1.0  # how often the routes of finished requests are forgotten
 IDLE_SLEEP_S = 0.0005  # a loop with nothing to run sleeps this long before polling again
 # A loop with no request at all, once it has had none for IDLE_EMPTY_AFTER_S, sleeps longer: at
-# 0.5 ms an idle worker woke 2,000 times a second. The two workers of an idle `pdserve up` (2-core
-# Zen 4) took 1.9 and 2.2 CPU seconds per 30 s (6-7% of a core each), now 0.7 and 0.9 (the rest is
-# their other threads: links, heartbeats, health). The cost is at most IDLE_EMPTY_SLEEP_S more
-# before the first request after a quiet spell is picked up; requests that wait on something
-# outside the loop (KV arriving or held) keep the short sleep.
+# 0.5 ms an idle worker would wake 2,000 times a second, 6-7% of a core each for the two workers
+# of an idle `pdserve up` on 2 cores (their CPU time over 30 idle seconds). The cost is at most
+# IDLE_EMPTY_SLEEP_S more before the first request after a quiet spell is picked up; requests
+# that wait on something outside the loop (KV arriving or held) keep the short sleep.
 IDLE_EMPTY_SLEEP_S = 0.005
 IDLE_EMPTY_AFTER_S = 0.05
 
