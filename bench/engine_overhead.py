@@ -35,6 +35,7 @@ same build's fractions differ between the two states (docs/cpu_kernels.md, "Meas
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import statistics
 import time
@@ -42,7 +43,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.config.engine import EngineConfig
+from pdserve.config.engine import add_engine_arguments, engine_config
 from pdserve.engine.engine import Engine
 from pdserve.kernels.huge_pages import zeros_on_huge_pages
 from pdserve.model.llama import DecoderLayer, Linear
@@ -129,9 +130,8 @@ def bare_matmuls(engine: Engine, tokens: int, sampled_rows: int, repeats: int) -
 
 
 # Decode steps run and not timed after the prefills: the first few after a prefill are slower than
-# the steady state a server decodes in, while the prefill's activations leave the caches (the
-# first three on a 2-core Sapphire Rapids), and a median of 5 right after the prefill would take
-# two or three of them.
+# the steady state a server decodes in, while the prefill's activations leave the caches, and a
+# median of 5 right after the prefill would include them.
 WARMUP_DECODE_STEPS = 4
 
 
@@ -171,12 +171,9 @@ def prefill_time(engine: Engine, tokens: int, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="default")
-    p.add_argument("--threads", type=int, default=1)
+    add_engine_arguments(p)  # --model, --dtype, --threads (here 0 means 1), --cpu-linear, --fused-ops, ...
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--context", type=int, default=256, help="tokens already in each decoding request")
-    p.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto (default: auto, as pdserve up)")
-    p.add_argument("--attention-backend", default=None, help="cpu, reference or triton (default: by device)")
     p.add_argument("--profile", action="store_true",
                    help="instead: torch.profiler's breakdown of a decode step and a prefill (see --batch, --tokens)")
     p.add_argument("--batch", type=int, default=32, help="with --profile: the decode step's batch")
@@ -185,10 +182,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="with --profile: steps through the PyTorch layers, so each compiled op shows on its own "
                         "instead of inside one decoder_layers_ call")
     args = p.parse_args(argv)
+    args.threads = args.threads or 1
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
-    config = EngineConfig(max_num_batched_tokens=1024, max_num_seqs=64, enable_prefix_caching=False, dtype=args.dtype,
-                          attention_backend=args.attention_backend)
+    config = dataclasses.replace(engine_config(args), max_num_batched_tokens=1024, max_num_seqs=64,
+                                 enable_prefix_caching=False)
     engine = Engine(config, loaded=loaded)
     if engine.runner.kv_fault_in is not None:  # a server's steady state: its KV cache resident
         engine.runner.kv_fault_in.join()

@@ -2,14 +2,13 @@
 
 `get_backend(device)` picks the implementation: the Triton kernels for CUDA tensors; on the CPU
 the compiled C++ kernels (kernels/cpu_backend.py), or the PyTorch reference where they cannot be
-built (kernels/cpu_ops.py says why, once). `PDSERVE_ATTENTION_BACKEND=cpu|reference|triton` or
-`--attention-backend` forces one (the reference anywhere, to compare; Triton on the CPU under
+built (kernels/cpu_ops.py says why, once). `--attention-backend cpu|reference|triton` forces one (the reference anywhere, to compare; Triton on the CPU under
 `TRITON_INTERPRET=1`, to test).
 """
 
 from __future__ import annotations
 
-import os
+from pathlib import Path
 
 import torch
 
@@ -18,19 +17,20 @@ from pdserve.kernels.reference import ReferenceBackend
 
 __all__ = ["get_backend"]
 
-BACKEND_ENV = "PDSERVE_ATTENTION_BACKEND"
 
-
-def get_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
-    """The attention backend for `device`; `name` (or the env variable) overrides the choice."""
-    choice = name or os.environ.get(BACKEND_ENV)
+def get_backend(device: torch.device | str, name: str | None = None, *, cpu_kernels: str = "auto",
+                require_cpu_kernels: bool = False, kernel_cache: str | None = None) -> AttentionBackend:
+    """The attention backend for `device`; `name` overrides the choice. The compiled CPU kernels
+    load as `cpu_ops.load(cpu_kernels, require=require_cpu_kernels, cache_dir=kernel_cache)`."""
+    choice = name
     if choice is None:
         choice = "triton" if torch.device(device).type == "cuda" else "cpu-or-reference"
     if choice in ("cpu", "cpu-or-reference"):
         from pdserve.kernels import cpu_ops
         from pdserve.kernels.cpu_backend import CpuBackend
 
-        ops = cpu_ops.load()
+        ops = cpu_ops.load(cpu_kernels, require=require_cpu_kernels,
+                           cache_dir=Path(kernel_cache) if kernel_cache else None)
         if ops is not None:
             return CpuBackend(ops)
         if choice == "cpu":

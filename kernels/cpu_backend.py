@@ -4,11 +4,11 @@ Decode reads each sequence's keys and values in place from the paged cache, one 
 (sequence, KV head), parallel over torch's intra-op threads. store_kv is one compiled call per
 layer (a memcpy per token, slots checked once) instead of the reference's masking and two
 index_copy_ calls. A float32 prefill is blocked matmuls with the softmax between them
-(kernels/csrc/cpu_prefill.cpp: 1.3-1.5x torch's SDPA on a 2-core AVX2 EPYC). A bfloat16 prefill
-runs on bfloat16 tiles where the head size is a multiple of 32 and the CPU has AMX or
-AVX512-BF16 (kernels/csrc/cpu_prefill_tiles.cpp: on a 2-core Sapphire Rapids 1.2x SDPA at 256
-tokens and 1.6x at 1,024 on AMX; on a 2-core Zen 4 with VDPBF16PS, 8-20x SDPA's bfloat16
-kernels there); elsewhere it stays on SDPA.
+(kernels/csrc/cpu_prefill.cpp). A bfloat16 prefill runs on bfloat16 tiles where the head size is
+a multiple of 32 and the CPU has AMX or AVX512-BF16 (kernels/csrc/cpu_prefill_tiles.cpp);
+elsewhere it stays on SDPA. Both are faster than torch's SDPA where they run
+(`python -m pdserve.bench.engine_overhead` against `--attention-backend reference`, prefills of
+256 and 1,024 tokens; docs/cpu_kernels.md, "Prefill attention").
 Dtypes other than float32 and bfloat16, or a cache whose dtype differs from q's, fall back to
 the reference.
 """

@@ -18,14 +18,12 @@ PANEL = 24
 TILE_GROUP = 32  # output columns per group of tiles
 TILE_STEP = 32  # K per tile row (32 bfloat16 = 64 bytes)
 # Up to this many rows the tiles run (decode steps, small prefills); above it oneDNN's packed
-# matmul, where it is there too. On a 2-core Sapphire Rapids, over SmolLM2's projections: tiles
-# 1.3-1.6x oneDNN from 1 to 32 rows, about even at 128-256 rows on the matmuls alone, and
-# 0.7-0.8x at 2,048-8,192 rows, where oneDNN's cache blocking keeps its AMX tiles fed from L1 and
-# ours load from L2. With SiLU-mul applied in the tile gate/up projection (no separate pass),
-# whole prefills in the engine: 256 tokens 72-74 -> 65-66 ms on tiles, 384 tokens 91-93 -> 86,
-# 512 tokens even (113-116 either way). On a 2-core Zen 4 (AVX512-BF16, no AMX), the VDPBF16PS
-# kernel streaming all of SmolLM2's projections as a decode step reads them: 1.5x oneDNN at 1-8
-# rows, 1.15-1.3x at 16-32, 1.14x at 64, even (0.98-1.04x) from 128 to 1,024 rows.
+# matmul, where it is there too. The tiles stream a decode step's weights faster than oneDNN
+# (on AMX and VDPBF16PS alike); with SiLU-mul applied in the tile gate/up projection, whole
+# prefills stay faster on tiles up to this size and are even just above it, and large ones are
+# faster on oneDNN, whose cache blocking feeds its AMX tiles from L1 where ours load from L2
+# (`python -m pdserve.bench.engine_overhead` against `--cpu-linear onednn`; docs/cpu_kernels.md,
+# "Tiles").
 TILE_MAX_ROWS = 384
 
 

@@ -4,16 +4,15 @@ The KV cache is allocated once and read all over at every decode step. On 4 KiB 
 step at batch 32 walks some 46,000 pages of it, and the hardware prefetchers stop at every page
 boundary. `zeros_on_huge_pages` maps it anonymously and asks for transparent huge pages
 (`madvise(MADV_HUGEPAGE)`, which works where the kernel's policy is `madvise` or `always`), its
-pages faulted in after start-up on a background thread (`fault_in_background`). On a
-2-core Sapphire Rapids, 30 layers of decode attention at batch 32, context 256, from DRAM
-(`python -m pdserve.bench.cpu_attention_bench`) took 16.1 ms instead of 20.9 with each sequence's
-blocks side by side, and 18.0 ms instead of 26.1 with its blocks three apart, as a long-running
-server's free list leaves them.
+pages faulted in after start-up on a background thread (`fault_in_background`). Decode attention
+from DRAM runs faster on them, most of all with a sequence's blocks apart, as a long-running
+server's free list leaves them (`python -m pdserve.bench.cpu_attention_bench --spread 1 3`
+times both page sizes side by side; docs/cpu_kernels.md, "Memory").
 
 The packed weights of the compiled matmuls go the same way, all of them side by side in one
-mapping (`copies_on_huge_pages`; most projections are smaller than a huge page). Their matmuls at
-one row, every projection and the LM head from DRAM, took a median of 14.0 ms instead of 16.2
-over 21 alternating rounds on the same machine (the best rounds equal).
+mapping (`copies_on_huge_pages`; most projections are smaller than a huge page), which speeds up
+their matmuls at one row from DRAM (`python -m pdserve.bench.engine_overhead`, decode batch 1;
+docs/cpu_kernels.md, "Memory").
 """
 
 from __future__ import annotations
@@ -52,9 +51,9 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     except OSError as e:  # EINVAL where the kernel has no transparent huge pages
         log.info("no transparent huge pages for a %d MB tensor: %s", nbytes >> 20, e)
     # Not touched here: the mapping reads as zeros already, and faulting in huge pages can mean
-    # compacting memory first (the kernel's `defrag` policy for advised mappings), which on a
-    # fragmented 2-core VM took up to 7 ms a page: zeroing a 1 GB KV cache at start-up took up to
-    # 6 s and made a restarted worker miss the chaos test's 10 s. Each page faults in on first use.
+    # compacting memory first (the kernel's `defrag` policy for advised mappings), milliseconds a
+    # page on a fragmented host: zeroing a KV cache at start-up can take seconds and make a
+    # restarted worker miss the chaos test's deadline. Each page faults in on first use.
     return base[start:start + nbytes].view(dtype).view(shape)
 
 
@@ -106,15 +105,14 @@ def fault_in_background(cache: torch.Tensor, block_dim: int = 2) -> threading.Th
     [L, 2, blocks, ...]: each layer's keys and values) is faulted in together.
 
     Why: `zeros_on_huge_pages` leaves the cache untouched at start-up, and a page's first write
-    costs far more than its reads. On a 2-core Sapphire Rapids VM a 256-token prefill into fresh
-    pages took 136 ms against 85 into pages faulted in before, a 1,024-token one 596 against 289,
-    and a 64-request burst right after start-up ran at 5.2-5.8 requests/s against 8.1-8.4 fifteen
-    seconds later. The guest zeroes each 2 MB page and the host backs it 4 KiB at a time: 1 GB
-    took 3-9 s where the host had to back it anew, 0.1-0.3 s where it still did. The cost is the
-    host's, so the thread's priority hardly changes it (SCHED_IDLE measured the same); nice 19
-    keeps its guest-side work behind the engine's. `madvise(MADV_POPULATE_WRITE)` faults pages in
-    without changing what they hold, so blocks already in use are safe. Workers report when it is
-    done (`ModelRunner.kv_cache_resident`, the router's /ready?warm=1). Returns the thread, or None
+    costs far more than its reads: prefills into fresh pages, and a burst of requests right after
+    start-up, run far slower than on resident pages (docs/cpu_kernels.md, "Memory";
+    `python -m pdserve.bench.engine_overhead` waits for this thread before it times anything). In
+    a VM the guest zeroes each 2 MB page and the host backs it 4 KiB at a time; that cost is the
+    host's, so the thread's priority hardly changes it, and nice 19 keeps its guest-side work
+    behind the engine's. `madvise(MADV_POPULATE_WRITE)` faults pages in without changing what
+    they hold, so blocks already in use are safe. Workers report when it is done
+    (`ModelRunner.kv_cache_resident`, the router's /ready?warm=1). Returns the thread, or None
     where there is nothing to do (not Linux, or a cache smaller than a huge page)."""
     nbytes = cache.numel() * cache.element_size()
     if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE or not cache.is_contiguous():

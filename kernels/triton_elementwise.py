@@ -2,15 +2,16 @@
 the RMSNorm after it, rotary embedding in place, and SiLU-mul.
 
 Eager PyTorch spends several kernel launches on each (RMSNorm alone is a cast, a square, a mean,
-an add, a reciprocal square root and two products): on an H200 a decode step of SmolLM2 was
-about 1,150 launches, and the host's 7 us a launch, not the GPU, set its time (docs/gpu.md).
+an add, a reciprocal square root and two products): a decode step of SmolLM2 is over a thousand
+launches, and the host's cost per launch, not the GPU, sets its time (docs/gpu.md, "Speed:
+launch-bound").
 Here each is one launch. `TritonElementwise` has the methods, names and semantics of the compiled
 CPU ops (kernels/csrc/cpu_elementwise.cpp), so `LlamaForCausalLM.use_fused_ops` takes either.
 
 Each rounds where the PyTorch code it replaces rounds (the residual sum, the normalised row, the
 products of rotary and SiLU-mul, in the activation dtype), so in float32 they agree with it to
 float32 rounding, and in bfloat16 to a bfloat16 step where a sum's order tips a rounding. The
-PyTorch code stays the oracle (tests/test_kernels_triton_elementwise.py).
+PyTorch code stays the oracle (tests/kernels/test_triton_elementwise.py).
 """
 
 from __future__ import annotations

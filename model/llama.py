@@ -24,20 +24,19 @@ from pdserve.model.config import ModelConfig
 class Linear(nn.Module):
     """y = x W^T, with W [out, in] stored transposed ([in, out] contiguous).
 
-    On the CPU, MKL runs the small-batch matmuls of decode steps about twice as fast against
-    this layout as F.linear against [out, in]; big prefill batches and CUDA do not care. Two
-    packed CPU copies go further (the plain weight stays, for the other paths):
+    On the CPU, MKL runs the small-batch matmuls of decode steps faster against this layout than
+    F.linear against [out, in]; big prefill batches and CUDA do not care. Two packed CPU copies
+    go further (the plain weight stays, for the other paths):
     - `pack_panels(ops)`: panels of 24 output columns for the compiled kernel
-      (kernels/csrc/cpu_linear.cpp), which streams each weight once per block of rows. With 2
-      threads on an AVX2 EPYC it ran SmolLM2's projections from 1 to 256 rows faster than
-      oneDNN, 1.2-2x at decode sizes.
-    - `pack_onednn()`: oneDNN's blocked layout, read directly by its matmul (1.2-2.7x MKL at
-      decode sizes on the same machine); the choice for bfloat16 where the CPU has AVX512-BF16
-      but no AMX, and for float32 on AVX-512 CPUs.
+      (kernels/csrc/cpu_linear.cpp), which streams each weight once per block of rows: on AVX2
+      CPUs faster than oneDNN from 1 to 256 rows.
+    - `pack_onednn()`: oneDNN's blocked layout, read directly by its matmul (faster than MKL at
+      decode sizes); the choice for bfloat16 where the CPU has AVX512-BF16 but no AMX, and for
+      float32 on AVX-512 CPUs.
     - `pack_tiles(ops)`: AMX tiles for the compiled tile kernel (kernels/csrc/cpu_linear_tiles.cpp),
-      bfloat16 only; on a Sapphire Rapids it read the weights of decode steps 1.4-1.6x faster
-      than oneDNN. With `onednn=True` the oneDNN copy is kept too, for steps of more than
-      cpu_linear.TILE_MAX_ROWS rows (large prefills), where oneDNN is faster.
+      bfloat16 only, which streams the weights of decode steps faster than oneDNN. With
+      `onednn=True` the oneDNN copy is kept too, for steps of more than cpu_linear.TILE_MAX_ROWS
+      rows (large prefills), where oneDNN is faster.
     `PDSERVE_CPU_LINEAR=<choice> python -m pdserve.bench.engine_overhead` measures each layout
     (docs/cpu_kernels.md, "Projections").
     """
@@ -122,9 +121,6 @@ class Linear(nn.Module):
 # The share of the packed weights' mapping on huge pages from which the tile kernels count them as
 # there (the mapping's tail past its last whole huge page never is).
 HUGE_PAGE_SHARE = 0.9
-
-CPU_LINEAR_ENV = "PDSERVE_CPU_LINEAR"  # auto (default), tiles (or its old name amx), pdserve, onednn or mkl
-
 
 def onednn_linear_available(dtype: torch.dtype) -> bool:
     """Whether this torch can run packed oneDNN linears in `dtype` on this CPU."""
@@ -327,13 +323,15 @@ def fuse_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 class CompiledLayers:
     """What ops.decoder_layers_ takes besides a step: every layer's weights (norms and packed
     projections, six a layer), the large-step packings (four a layer, or none), the layers'
-    dimensions, and whether steps with prompts run through it too (else decode-only ones)."""
+    dimensions, whether steps with prompts run through it too (else decode-only ones), and whether
+    the MLP may prefetch the next layer's KV (kv_prefetch)."""
 
     ops: object
     weights: list[torch.Tensor]
     large_weights: list[torch.Tensor]
     dims: tuple
     prefills: bool
+    kv_prefetch: bool = True
 
 
 class LlamaForCausalLM(nn.Module):
@@ -363,7 +361,7 @@ class LlamaForCausalLM(nn.Module):
                 x, c.weights, c.large_weights, cpu_linear.TILE_MAX_ROWS, self.model.norm.weight, positions,
                 self.model.rotary.cos, self.model.rotary.sin, kv_cache, meta.slot_mapping, meta.num_decode_tokens,
                 meta.decode_seq_lens, meta.decode_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
-                meta.prefill_block_tables, *c.dims,
+                meta.prefill_block_tables, *c.dims, c.kv_prefetch,
             )
         # Each residual add goes with the norm after it (RMSNorm.add_norm_); x, the embeddings'
         # output, is this step's own, updated in place.
@@ -381,12 +379,13 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, (RMSNorm, MLP, RotaryEmbedding)):
                 m.fused = ops
 
-    def use_compiled_layers(self, ops) -> None:
+    def use_compiled_layers(self, ops, kv_prefetch: bool = True) -> None:
         """Run every layer of a step in one compiled call, ops.decoder_layers_ (after use_fused_ops
         and pack_cpu_linears: it reads the packed weights): every decode-only step, and steps with
         prompts where the attention backend's prefills are the compiled op for this dtype and head
         size (AttentionBackend.compiles_prefill). The PyTorch layers stay the path of every other
-        step and the oracle. `ops` None turns it off (the tests' lockstep oracle)."""
+        step and the oracle. `ops` None turns it off (the tests' lockstep oracle). `kv_prefetch`
+        False keeps the MLP from prefetching the next layer's KV (the engine's --kv-prefetch)."""
         self._compiled = None
         if ops is None:
             return
@@ -401,7 +400,7 @@ class LlamaForCausalLM(nn.Module):
         prefills = backend is not None and backend.compiles_prefill(self.lm_head.weight.dtype, dims[2])
         self._compiled = CompiledLayers(
             ops, [w for weights, _, _ in args for w in weights], [w for _, large, _ in args for w in large], dims,
-            prefills,
+            prefills, kv_prefetch,
         )
 
     def pack_cpu_linears(self, layout: str, ops: object | None = None) -> int:

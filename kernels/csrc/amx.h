@@ -1,7 +1,8 @@
 // What every AMX kernel needs: whether this build and this process can use the tiles, and the
-// tile configuration (LDTILECFG's 64-byte operand). AMX is compiled in where -march=native offers
-// it (PDSERVE_AMX); Linux grants a process AMX's 8 KiB of register state only on request
-// (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), and without it the first tile instruction faults.
+// tile configuration (LDTILECFG's 64-byte operand). AMX is compiled in where the build's flags
+// offer it (PDSERVE_AMX: the amx variant of kernels/variants.py, or -march=native on an AMX CPU);
+// Linux grants a process AMX's 8 KiB of register state only on request (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA), and without it the first tile instruction faults.
 // The configuration is per thread and other code (oneDNN) sets its own, so each kernel loads its
 // configuration on the thread that computes, before its first tile instruction.
 #pragma once

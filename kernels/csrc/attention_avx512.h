@@ -19,11 +19,9 @@
 // Both walk the item's KV heads (one, or all of a sequence's) tile by tile: see below. The
 // weighted sum, which reads values the scores pass brought into L2, prefetches the keys of the
 // thread's next item meanwhile (`next`, spread evenly over its products), so that its scores pass
-// does not start each item on DRAM. On a 2-core Zen 4, 30 layers at context 256 with the KV far
-// out of L3, alternating in one process: batch 8 2.61-2.70 -> 2.30-2.31 ms, batch 32 9.5-10.0 ->
-// 8.0-9.0; engine decode steps, in-process A/B rounds of 20 steps each way at context 256-300:
-// batch 8 11.44 -> 11.06 ms (won 13 of 16), batch 32 35.9 -> 34.7 (6 of 10; its KV is mostly in
-// L3 already, prefetched under the MLP). The values, prefetched too, did no better.
+// does not start each item on DRAM. Prefetching the next item's values too gains nothing
+// (python -m pdserve.bench.cpu_attention_bench --batch 8 and 32; docs/cpu_kernels.md "Decode
+// attention", "Prefetch").
 
 #pragma once
 
@@ -104,15 +102,14 @@ struct Bf16Dot {
 // Both loops go a tile of 16 positions at a time, and within a tile over each of the item's KV
 // heads. A slot holds every head's row side by side, so a tile reads whole slots (3 KB for 3
 // heads of 64 bfloat16 keys) while the next tile's slots are prefetched: one sequential-looking
-// stream instead of one strided pass per head, which read the cache from DRAM at about half of
-// what a plain sum over memory reaches. The scores pass also prefetches the same slots' values
-// into L2, for the weighted sum that follows (30 layers at batch 32 from DRAM, Sapphire Rapids:
-// 13-13.5 ms against 14-15 with the values prefetched in their own pass). The vector loop
+// stream instead of one strided pass per head, which reads the cache from DRAM far below what a
+// plain sum over memory reaches. The scores pass also prefetches the same slots' values into L2,
+// for the weighted sum that follows, rather than in a pass of their own. The vector loop
 // (`scores`) prefetches keys and values into L2 only, a few lines before each of the tile's
-// products: on a 2-core Zen 4, perf put 40% of that loop's samples on the prefetches themselves
-// when it issued the keys' lines into L1 in one burst per slot (the miss buffers full). 30 layers
-// at batch 32, context 256, from DRAM: bfloat16 14.7-15.3 -> 8.7-9.8 ms, float32 22.1 -> 16.0.
-constexpr int64_t kAhead = kLanes;  // the next tile (two or three tiles ahead measured no faster)
+// products: a burst of the keys' lines into L1 per slot fills the core's miss buffers and stalls
+// the loop on its own prefetches (cpu_attention_bench, bfloat16 and float32; docs/cpu_kernels.md
+// "Decode attention", "Prefetch").
+constexpr int64_t kAhead = kLanes;  // the next tile: further ahead gains nothing (cpu_attention_bench)
 template <int Hint = _MM_HINT_T0>
 inline void prefetch_bytes(const void* at, int64_t bytes) {
   const char* p = static_cast<const char*>(at);
@@ -121,8 +118,7 @@ inline void prefetch_bytes(const void* at, int64_t bytes) {
 
 // Two spans of memory (a tile's keys, then its values) prefetched into L2 from running pointers,
 // a line every kSpanStride bytes. Not prefetch.h's PrefetchCursor, whose span bookkeeping per
-// line cost more here: over the same lines (two spans, or one a slot), 30 layers at batch 32
-// from cache ran 3.43-3.49 ms with this and 3.72-4.18 with the cursor (2-core Zen 4).
+// line costs more than two running pointers in a loop this short (cpu_attention_bench --batch 32).
 constexpr int64_t kSpanStride = 64;
 struct SpanPrefetch {
   const char *k = nullptr, *k_end = nullptr, *v = nullptr, *v_end = nullptr;
@@ -145,11 +141,10 @@ struct SpanPrefetch {
 // Where the next tile's slots (from position `ahead`) are contiguous, a block holding all of its
 // positions and the item reading whole slots of `slot_elems`, its keys and values are two spans
 // from running pointers: returns true and sets `span` and `per`, the lines for each of the tile's
-// `products` products. Else the kernels prefetch slot by slot. On a 2-core Zen 4, 30 layers of
-// bfloat16 decode attention (context 256) from cache: batch 8 1.36 -> 1.11 ms, batch 32 4.10 ->
-// 3.49; from DRAM, batch 8 2.08 -> 1.42-1.93 (the slot by slot address arithmetic was a quarter
-// of the loop's time in cache). A line every 128 bytes (leaving the adjacent line to the
-// hardware) read DRAM slower: batch 8 2.6, batch 32 9.5 ms.
+// `products` products. Else the kernels prefetch slot by slot, whose address arithmetic is a
+// good part of the loop's time when the KV is in cache. Every line, not every second one: leaving
+// the adjacent line to the hardware reads DRAM slower (cpu_attention_bench --batch 8 and 32;
+// docs/cpu_kernels.md "Decode attention", "Prefetch").
 template <typename T>
 inline bool next_tile_spans(const T* kp, const T* vp, const int64_t* rows, int64_t ctx, int64_t ahead,
                             int64_t slot_elems, int64_t products, SpanPrefetch& span, int64_t& per) {
@@ -332,9 +327,10 @@ void scores_pairs(const c10::BFloat16* q, const c10::BFloat16* kp, const c10::BF
 // sum still accumulates in float32), and each pair of value rows is interleaved into (v_j[c],
 // v_j+1[c]) pairs with one unpack each way. Per position and KV head, G x d / 32 VDPBF16PS and
 // d / 32 unpacks replace the float loop's G x d / 16 FMAs and d / 16 widenings (bfloat16 to
-// float32, two instructions each): on a 2-core Zen 4 the float loop was about 40% of decode
-// attention's compute. unpacklo/hi work within 128-bit lanes, so accumulator lo holds columns
-// 8L .. 8L+3 and hi 8L+4 .. 8L+7 of lane L; they are put back in order once, at the end.
+// float32, two instructions each), which are a large share of decode attention's compute
+// (cpu_attention_bench; docs/cpu_kernels.md "Decode attention", "Weighted sum"). unpacklo/hi
+// work within 128-bit lanes, so accumulator lo holds columns 8L .. 8L+3 and hi 8L+4 .. 8L+7 of
+// lane L; they are put back in order once, at the end.
 //
 // `p` holds float32 probabilities, row r (query head h G + g) at p + r ctx; they are converted to
 // bfloat16 pairs in place: row r's pairs start at the same address, ceil(ctx / 2) of them, the
@@ -397,9 +393,9 @@ void weighted_sum_pairs(float* p, const c10::BFloat16* vp, const int64_t* rows, 
 // Scores on AMX tiles, for bfloat16 where the CPU has AMX. For each tile of 16 positions and each
 // KV head, the 16 key rows are an A tile (16 rows of 32 bfloat16, a slot apart: read in place from
 // the cache) and the head's G query rows, transposed into pairs, a B tile; TDPBF16PS gives the
-// 16 x G dot products, d / 32 steps of them. Its accumulation is float32, as vdpbf16ps's. On a
-// Sapphire Rapids vdpbf16ps and the transpose-add tree took about 3 of the 7 ms that 30 layers'
-// attention at batch 32 computed (KV in cache).
+// 16 x G dot products, d / 32 steps of them. Its accumulation is float32, as vdpbf16ps's. It
+// replaces vdpbf16ps and the transpose-add tree, a large share of the scores' compute at large
+// batches (cpu_attention_bench --batch 32 on an AMX CPU).
 //
 // Tiles: 0 accumulates, 1 holds key rows, 2 the query pairs. A tile whose 16 positions are not
 // evenly spaced (it crosses blocks smaller than 16) or that is the last, partial one is copied
@@ -451,9 +447,8 @@ struct TileScores {
       const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
       for (int64_t h = 0; h < heads; ++h) {
         // A share of the prefetches before each head's products, not the whole next tile's 192
-        // lines at once: perf put 58% of the kernel's samples just after those bursts (fill
-        // buffers full). Batch 64, context 300, 30 layers, bfloat16, Sapphire Rapids: 32.2-33.0 ->
-        // 29.2-29.4 ms from DRAM, 19.0 -> 18.1 from L3; two tiles ahead, spread, 30.2.
+        // lines at once: a burst fills the core's fill buffers and stalls the products behind it.
+        // Two tiles ahead is slower (cpu_attention_bench --batch 64 --context 300 on an AMX CPU).
         for (int64_t j = h * kLanes / heads; j < (h + 1) * kLanes / heads && j < ahead; ++j) {
           prefetch_bytes(kp + rows[pos0 + kAhead + j], slot_bytes);
           prefetch_bytes<_MM_HINT_T1>(vp + rows[pos0 + kAhead + j], slot_bytes);

@@ -13,7 +13,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include "attention_avx512.h"
 #include "ops.h"
@@ -31,9 +30,9 @@
 
 namespace {
 
-// In place: s = softmax(s) over n scores, a native vector at a time, the max included (on AVX-512,
-// a scalar max and 8-wide exponentials took 2 of the 7 ms that 30 layers of attention at batch 32
-// spend computing).
+// In place: s = softmax(s) over n scores, a native vector at a time, the max included: on AVX-512
+// a scalar max and 8-wide exponentials are a large share of attention's compute at batch 32
+// (python -m pdserve.bench.cpu_attention_bench).
 inline void softmax(float* __restrict s, int64_t n) {
   const float inv = 1.f / exp_shifted_sum(s, n, row_max(s, n), 1.f);
 #pragma omp simd
@@ -143,8 +142,8 @@ void scores_vec(const float* qf, const T* kp, const int64_t* rows, int64_t ctx, 
 // scores_vec for groups of at most 3 on 256-bit vectors, four positions at a time: the G x 4
 // accumulators stay in registers, and a tree of three horizontal adds turns each query head's four
 // partial vectors into its four scores, stored together. scores_vec sums each score's lanes one by
-// one, which took about as long as the products (on a 2-core AVX2 EPYC, 30 layers at batch 32 and
-// context 256 from L3: 10.6 -> 9.3 ms).
+// one, which costs about as much as the products (cpu_attention_bench --batch 32 on AVX2;
+// docs/cpu_kernels.md "Decode attention", "Scores").
 template <int G, typename T>
 void scores_quad(const float* qf, const T* kp, const int64_t* rows, int64_t ctx, const Geometry& geo,
                  float* scores) {
@@ -347,12 +346,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   // A work item is all of a sequence's KV heads on the 512-bit path, so that each tile of
-  // positions reads whole slots, else one KV head of one sequence. The whole sequence took over
-  // from one item per head in two steps (2-core Zen 4, SmolLM2, context 256): from 4 sequences a
-  // thread to one, where 30 layers with the KV far out of L3 went at batch 4 1.72-1.90 -> 1.32-1.36
-  // ms and at batch 6 2.2-2.6 -> 1.8-2.5; then at every batch, where engine decode steps at batch 1
-  // (three KV heads, two threads: one item on one thread against two and one) went 11.0-11.4 ->
-  // 10.1-11.1 ms in in-process A/B rounds, won 34 of 48.
+  // positions reads whole slots, else one KV head of one sequence. Whole sequences even where
+  // there are fewer than threads (batch 1: one thread attends alone): one stream of whole slots
+  // reads the cache faster than heads split across threads (cpu_attention_bench --batch 4;
+  // engine_overhead, decode batch 1; docs/cpu_kernels.md "Decode attention", "Work items").
   const bool wide = wide_applies(geo);
   const int64_t heads = wide ? hkv : 1;
   const int64_t per_seq = hkv / heads;
@@ -431,10 +428,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   if (spare_units == 0) {
     // Every thread has items: each runs its share, then what is left of the others' from their
     // far ends (work_shares.h), so that sequences of different lengths do not leave one thread
-    // waiting at the join. The next item prefetched is the next of the thread's own share. Engine
-    // decode steps on a 2-core Zen 4, contexts 64 + i (900 / batch) for sequence i (the longer
-    // half on one thread), in-process A/B rounds of 24 steps: batch 32 48.6 -> 44.1 ms (won 9 of
-    // 10); batch 8, and contexts that happen to split evenly, within the noise (5 of 10).
+    // waiting at the join. The next item prefetched is the next of the thread's own share. It
+    // gains in decode steps at batch 32 with uneven contexts and costs nothing where contexts split
+    // evenly (docs/cpu_kernels.md "Decode attention", "Work items").
     pdserve_cpu::parallel_for_stealing(items, scratch, attend);
     return;
   }
@@ -545,13 +541,3 @@ void store_kv_(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cac
 }
 
 }  // namespace pdserve_cpu
-
-TORCH_LIBRARY(pdserve_cpu, m) {
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_lens, Tensor block_tables, float scale) -> Tensor");
-  m.def("store_kv_(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
-  m.impl("decode_attention", &pdserve_cpu::decode_attention);
-  m.impl("store_kv_", &pdserve_cpu::store_kv_);
-}

@@ -6,9 +6,10 @@
 //   x += attention(q, paged cache; each new prompt causal over its prefix) Wo^T
 //   h = rms_norm(x); x += (silu(gate) * up)(h Wgate_up^T) Wdown^T
 //
-// A step through the Python layers spends about 4 ms (SmolLM2's 30 layers, 2-core Sapphire Rapids)
-// on their ~12 calls a layer (modules, dispatch, views, checks, temporaries), as long as a 64-token
-// prefill's attention and norms together; here they are direct calls to the compiled ops (ops.h),
+// A step through the Python layers spends much of a small step on their ~12 calls a layer
+// (modules, dispatch, views, checks, temporaries: python -m pdserve.bench.engine_overhead, decode
+// batch 1 and prefill 64, against --no-fused-ops; docs/cpu_kernels.md "Elementwise ops and the
+// decoder layers in one call"); here they are direct calls to the compiled ops (ops.h),
 // and x, the residual stream, is updated in place. The projections take any packing (ops.h
 // `project`): our panels, AMX tiles, or oneDNN's layout, with a second packing for steps of more
 // rows than `large_above` where the layers keep one (AMX tiles for small steps, oneDNN for large).
@@ -17,11 +18,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <array>
-#include <cstdlib>
 #include <string>
 #include <unistd.h>
 #include <vector>
@@ -121,13 +120,11 @@ struct StreamStarts {
 // A thread's stream starts cold: at one row (the hardware streams the weights) and from
 // kTileHardwareStreamRows + 1 rows (the kernel prefetches its own weight kTileOwnPrefetchBytes
 // ahead, which leaves the first that many bytes of each stream to wait on DRAM) that start now
-// arrives under the projection before. Engine decode steps on a 2-core Zen 4 (SmolLM2, context
-// 256), in-process rounds of 16 steps for each size:
-//   batch 1:  none 10.56 ms, 32 KiB 9.94, 64 KiB 9.96, 96 KiB 10.08 (32 KiB the best in 8 of 12);
-//   batch 8:  none 11.60, 8 KiB 10.81, 16 KiB 10.71, 24 KiB 10.60; 64 KiB 12.08 against 11.78;
-//   batch 12: none 15.33, 16 KiB 14.91 (5 of 6).
-// At 2 to 4 rows it lost (batch 4: none 9.03, 32 KiB 9.82; batch 2 even). Only the VDPBF16PS
-// tiles, where it was measured (AMX untested).
+// arrives under the projection before. 32 KiB at one row, the kernel's own distance above
+// kTileHardwareStreamRows rows (much more costs the projection under it more than it gains), none
+// at 2 to 4 rows, where it loses. Only on the VDPBF16PS tiles: AMX keeps it off until it is
+// benchmarked there (engine_overhead, decode batch 1 and 8; docs/cpu_kernels.md "Projections",
+// "Tiles").
 int64_t warm_bytes(int64_t rows) {
   static const bool tiles = tile_kernel() == "avx512_bf16";
   if (!tiles) return 0;
@@ -166,8 +163,8 @@ at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tenso
   rotary_(q, k, positions, cos, sin);
   store_kv_(k, v, k_cache, v_cache, slot_mapping);
   // At batch 1 the second thread has no sequence to attend: it pulls in the weights that follow,
-  // which the output projection then reads from cache. Engine decode steps at batch 1 on a 2-core
-  // Zen 4, in-process A/B rounds of 40 steps each way: 11.65-11.89 -> 11.31-11.37 ms, won 32 of 32.
+  // which the output projection then reads from cache (engine_overhead, decode batch 1;
+  // docs/cpu_kernels.md "Decode attention", "Work items").
   const BackgroundPrefetch spare = weights_after(proj[1], proj[2]);
   const at::Tensor attn = attention(q, k, v, k_cache, v_cache, step, scale, spare);
   const at::Tensor h2 = add_rms_norm_(x, project(attn.reshape({tokens, q_size}), proj[1], hidden,
@@ -235,19 +232,19 @@ struct DecodeKvBlocks {
 
 // How many bytes of the next layer's KV to prefetch while a layer's MLP runs: a quarter of the
 // last-level cache, so that it is still there when the next layer's attention reads it; nothing
-// where PDSERVE_KV_PREFETCH=0 (read once). Only where it pays: the VDPBF16PS tiles (measured on
-// a Zen 4; AMX untested) and steps of at least kKvPrefetchRows rows, whose projections are bound
-// by compute and leave memory idle. Engine steps on a 2-core Zen 4, batch 32 (context 256):
-// decode attention 9.8 -> 5.6 ms, the MLP's projections 13.3 -> 14.7, the step 34.5 -> 31.5;
-// at batch 8 (bound by memory) the projections lost what attention gained, and batch 1 lost.
-int64_t kv_prefetch_budget(const at::Tensor& gate_up, int64_t rows) {
+// where the caller turns it off (`kv_prefetch`: the engine's --kv-prefetch). Only where it pays:
+// steps of at least kKvPrefetchRows rows, whose projections are bound by compute and leave memory
+// idle (below that they are bound by memory and lose what attention gains), on the VDPBF16PS
+// tiles (AMX keeps it off until it is benchmarked there). engine_overhead, decode batch 8 and 32,
+// against --no-kv-prefetch; docs/cpu_kernels.md "Elementwise ops and the decoder layers in one
+// call".
+int64_t kv_prefetch_budget(const at::Tensor& gate_up, int64_t rows, bool kv_prefetch) {
   static const int64_t budget = [] {
-    const char* env = std::getenv("PDSERVE_KV_PREFETCH");
-    if ((env != nullptr && std::string(env) == "0") || tile_kernel() != "avx512_bf16") return int64_t{0};
+    if (tile_kernel() != "avx512_bf16") return int64_t{0};
     const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
     return l3 > 0 ? static_cast<int64_t>(l3) / 4 : int64_t{8} << 20;
   }();
-  return gate_up.dim() == 5 && rows >= kKvPrefetchRows ? budget : 0;  // only the tiles trickle it
+  return kv_prefetch && gate_up.dim() == 5 && rows >= kKvPrefetchRows ? budget : 0;  // only the tiles trickle it
 }
 
 std::vector<int64_t> as_longs(const at::Tensor& t) {
@@ -262,8 +259,9 @@ std::vector<int64_t> as_longs(const at::Tensor& t) {
 // down: the packing for steps of more than large_above rows), kv_cache the engine's [L, 2, blocks,
 // S, Hkv, D], and the step's attention metadata as model/llama.py's AttentionMetadata holds it
 // (int32 lengths, tables and offsets). Returns the final hidden states, normalised; x, the residual
-// stream, is updated in place. One call from Python instead of one per layer: at batch 1 the 30
-// calls of SmolLM2 and their argument handling took about 1 ms of a 16 ms step.
+// stream, is updated in place. One call from Python instead of one per layer, whose calls and
+// argument handling show in a small decode step (engine_overhead, decode batch 1). `kv_prefetch`
+// false keeps the MLP from prefetching the next layer's KV (kv_prefetch_budget).
 at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, at::TensorList large_weights, int64_t large_above,
                            const at::Tensor& final_norm, const at::Tensor& positions, const at::Tensor& cos,
                            const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping,
@@ -271,7 +269,7 @@ at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, at::TensorList 
                            const at::Tensor& decode_block_tables, const at::Tensor& prefill_cu_seqlens_q,
                            const at::Tensor& prefill_seq_lens, const at::Tensor& prefill_block_tables,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
-                           double eps, double scale) {
+                           double eps, double scale, bool kv_prefetch) {
   constexpr int64_t kPerLayer = 6, kProjections = 4;
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2, "kv_cache must be [L, 2, blocks, S, Hkv, D], got ",
               kv_cache.sizes());
@@ -301,7 +299,8 @@ at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, at::TensorList 
   }
   const bool large = !large_weights.empty() && tokens > large_above;
   at::Tensor h = rms_norm(x, layers > 0 ? weights[0] : final_norm, eps);
-  const int64_t budget = layers > 1 ? kv_prefetch_budget(large ? large_weights[2] : weights[4], tokens) : 0;
+  const int64_t budget =
+      layers > 1 ? kv_prefetch_budget(large ? large_weights[2] : weights[4], tokens, kv_prefetch) : 0;
   const DecodeKvBlocks decode_kv(step, kv_cache, budget);
   // Layer l's four projections, in the packing this step's row count takes.
   const auto proj_of = [&](int64_t l) {
@@ -330,17 +329,3 @@ at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, at::TensorList 
 }
 
 }  // namespace pdserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
-  m.def(
-      "decoder_layers_(Tensor(a!) x, Tensor[] weights, Tensor[] large_weights, int large_above, Tensor final_norm, "
-      "Tensor positions, Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, int num_decode, "
-      "Tensor decode_seq_lens, Tensor decode_block_tables, Tensor prefill_cu_seqlens_q, Tensor prefill_seq_lens, "
-      "Tensor prefill_block_tables, int num_heads, int num_kv_heads, int head_dim, int intermediate_size, float eps, "
-      "float scale) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("decoder_layers_", &pdserve_cpu::decoder_layers_); }
-
-// oneDNN-packed weights are MkldnnCPU tensors, which make the dispatcher look for that key.
-TORCH_LIBRARY_IMPL(pdserve_cpu, MkldnnCPU, m) { m.impl("decoder_layers_", &pdserve_cpu::decoder_layers_); }

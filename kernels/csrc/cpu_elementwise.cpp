@@ -6,7 +6,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include "ops.h"
 #include "vec.h"
@@ -121,9 +120,10 @@ void check_float(const at::Tensor& t, const char* name) {
 
 // The index of a row's first maximum, as torch's max(dim=-1).indices: the first NaN where the row
 // holds one (NaN counts as greater than everything there), else the first element equal to the
-// row's maximum; an all -inf row gives 0. Vector passes over a row that stays in cache. torch's own
-// max over dim read 49,152 logits at 3-6 ns an element on a 2-core Sapphire Rapids: 3-10 ms a
-// decode step at batch 32, more than a layer's work.
+// row's maximum; an all -inf row gives 0. Vector passes over a row that stays in cache: torch's own
+// max over dim costs a decode step at batch 32 more than a layer's work (python -m
+// pdserve.bench.engine_overhead, decode batch 32; docs/cpu_kernels.md "Elementwise ops and the
+// decoder layers in one call").
 template <typename T>
 int64_t argmax_row(const T* row, int64_t n) {
   const int64_t nan = find_first(row, n, [](auto v) { return v != v; });
@@ -219,19 +219,3 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 }
 
 }  // namespace pdserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.def("argmax_rows(Tensor x) -> Tensor");
-  m.def("add_rms_norm_(Tensor(a!) x, Tensor y, Tensor weight, float eps) -> Tensor");
-  m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
-  m.impl("rms_norm", &pdserve_cpu::rms_norm);
-  m.impl("silu_mul", &pdserve_cpu::silu_mul);
-  m.impl("argmax_rows", &pdserve_cpu::argmax_rows);
-  m.impl("add_rms_norm_", &pdserve_cpu::add_rms_norm_);
-  m.impl("rotary_", &pdserve_cpu::rotary_);
-}

@@ -6,16 +6,15 @@
 // once at the machine's bandwidth. A register tile of up to 4 rows of x by the panel's 24 columns
 // keeps 12 vector accumulators: each loaded weight vector is reused by 4 rows, each broadcast x
 // value by 3 vectors, and 12 independent FMA chains hide the FMA latency. The k loop is unrolled
-// 8 times. Rows of x go in blocks of 48, which stay in L2 while every panel passes by. On a
-// 2-core AVX2 EPYC this ran the projections of a SmolLM2 layer at 150-160 GFLOP/s from 8 rows to
-// 256 (oneDNN's packed matmul: 70-130) and at 1 row read the weights 1.5x faster. float32 and
-// bfloat16; bfloat16 is widened to float32 and accumulated there.
+// 8 times. Rows of x go in blocks of 48, which stay in L2 while every panel passes by. On AVX2
+// this beats oneDNN's packed matmul from 1 row to 256 (python -m pdserve.bench.engine_overhead
+// against --cpu-linear onednn; docs/cpu_kernels.md "Projections", "Panels (float32 on AVX2)").
+// float32 and bfloat16; bfloat16 is widened to float32 and accumulated there.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include "ops.h"
 #include "vec.h"
@@ -35,13 +34,13 @@ constexpr int64_t kRowBlock = pdserve_cpu::kPanelRowBlock;
 // While a thread multiplies panel p it prefetches panel p + 1, spread evenly over every row tile's
 // pass. A panel makes one pass per 4 rows, all but the first from cache; a prefetch only ahead in
 // the panel being read left the memory idle during the later passes, so a step took the stream's
-// time plus the compute's instead of the larger of them. On a 2-core AVX2 EPYC, the whole model's
-// matmuls: 8 rows 51 -> 39 ms, 32 rows 79-92 -> 55-78 ms, 256 rows unchanged.
+// time plus the compute's instead of the larger of them. It pays at 8 to 32 rows; at 256, bound
+// by compute, it changes nothing (engine_overhead's matmuls column; docs/cpu_kernels.md "Panels").
 //
 // Rows 0 .. MR-1 of x times one panel: y[m, 0..ncols) for each of those rows. Each step of k
 // prefetches `stride` bytes from `ahead` on (two lines when that is more than one, so that no
-// line is skipped). Never inlined: inlined into linear_silu_mul's loop, GCC spilled an accumulator
-// to the stack on every step of k, and its 32-row matmuls ran at half speed.
+// line is skipped). Never inlined: inlined into linear_silu_mul's loop, GCC spills an accumulator
+// to the stack on every step of k.
 template <int MR, typename T>
 __attribute__((noinline)) void tile(const T* x, int64_t ldx, const T* panel, int64_t k_size, T* y, int64_t ldy,
                                     int64_t ncols, const char* ahead, int64_t stride) {
@@ -121,8 +120,8 @@ void linear_kernel(const at::Tensor& x, const at::Tensor& panels, int64_t n, at:
 // silu(x Wg^T) * (x Wu^T) against the panels of W = [Wg; Wu] (a gate/up projection whose halves
 // are whole panels, intermediate % 24 == 0): gate panel j and up panel j + half go one after the
 // other into two L1 scratch tiles, and their SiLU-mul is written straight to y [M, intermediate].
-// The separate op read and wrote the [M, 2 intermediate] product once more: on a 2-core AVX2 EPYC,
-// 7 ms of a 365 ms 256-token prefill and 1 ms of a batch-32 decode step.
+// The separate op reads and writes the [M, 2 intermediate] product once more (engine_overhead,
+// prefill 256 and decode batch 32; docs/cpu_kernels.md "Panels").
 template <typename T>
 void linear_silu_mul_kernel(const at::Tensor& x, const at::Tensor& panels, int64_t intermediate, at::Tensor& y) {
   const int64_t rows = x.size(0), k_size = x.size(1), ldx = x.stride(0), half = intermediate / kPanel;
@@ -247,11 +246,10 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight) {
               "] against a oneDNN-packed weight [N, K], got x ", x.sizes(), " and weight ", weight.sizes());
   const int64_t m = x.numel() / x.size(-1), threads = at::get_num_threads();
   // Each thread multiplies its own block of rows in one single-threaded oneDNN call (inside the
-  // parallel region oneDNN does not split again). On a 2-core Sapphire Rapids, over SmolLM2's
-  // bfloat16 projections with 2 threads, oneDNN's own split ran at 1.44-1.8 TFLOP/s from 384 to
-  // 1,280 rows and the blocks at 1.56-1.97 (1.27x at 768 and 1,024 rows); below 384 rows and from
-  // 1,408 (where oneDNN jumps to 2.3) oneDNN's own split is faster. Measured on AMX only, so
-  // applied only there: elsewhere oneDNN decides.
+  // parallel region oneDNN does not split again). On AMX this beats oneDNN's own split of
+  // bfloat16 projections between kSplitMinRows and kSplitMaxRows rows a thread, and loses outside
+  // that range (engine_overhead, prefill 1,024; docs/cpu_kernels.md "Tiles"). Only on AMX, the one
+  // machine kind it is benchmarked on: elsewhere oneDNN decides.
   const bool split = threads >= 2 && m >= threads * kSplitMinRows && m <= threads * kSplitMaxRows &&
                      !at::in_parallel_region() && tile_linear_uses_amx();
   if (!split) return onednn_call(x, weight);
@@ -272,15 +270,3 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 }  // namespace pdserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
-  m.def("linear(Tensor x, Tensor panels, int out_features) -> Tensor");
-  m.def("linear_silu_mul(Tensor x, Tensor panels, int intermediate) -> Tensor");
-  // Its weight is a oneDNN (MkldnnCPU) tensor, x a CPU one: one kernel for every dispatch key.
-  m.def("onednn_linear(Tensor x, Tensor packed) -> Tensor", &pdserve_cpu::onednn_linear);
-}
-
-TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
-  m.impl("linear", &pdserve_cpu::linear);
-  m.impl("linear_silu_mul", &pdserve_cpu::linear_silu_mul);
-}

@@ -11,19 +11,19 @@
 // Rows of x go in chunks of 32, as two "A" tiles of up to 16 rows loaded straight from x; four
 // float32 accumulator tiles hold the chunk's 32 x 32 outputs.
 //
-// Why: on a 2-core Sapphire Rapids oneDNN's bfloat16 matmuls read SmolLM2's weights at 15-20 GB/s
-// at decode sizes; these tiles read them at the rate a plain streaming loop reaches over the same
-// tensors (about 24 GB/s there). A decode step at batch 1-32 is bound by that read.
+// Why: at decode sizes oneDNN's bfloat16 matmuls read the weights well below the rate a plain
+// streaming loop reaches over the same tensors, and these tiles read them at about that rate; a
+// decode step at batch 1-32 is bound by that read (python -m pdserve.bench.engine_overhead against
+// --cpu-linear onednn; docs/cpu_kernels.md "Projections", "Tiles").
 //
-// Where the compiler offers no AMX (-march=native on a CPU without it) or the kernel refuses the
-// process AMX's register state (amx.h), the same layout runs on VDPBF16PS where the CPU has
+// Where the build has no AMX (every variant but amx, kernels/variants.py) or the kernel refuses
+// the process AMX's register state (amx.h), the same layout runs on VDPBF16PS where the CPU has
 // AVX512-BF16, else through a portable loop: slow, and never chosen by the runner (`tile_kernel`),
 // but it keeps the layout and the chunking tested on every machine against the oracle x @ W.T.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include "amx.h"
 #include "ops.h"
@@ -33,11 +33,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <thread>
 #include <type_traits>
 
 namespace {
@@ -85,8 +83,8 @@ void configure(int rows0, int rows1) {
 }
 
 // One chunk of rows (rows0 + rows1 <= 32) times one group, into acc [32, 32]. Prefetch: the
-// weight streams from DRAM only in a group's first chunk; 8 KiB ahead (4 steps) ran batch 1-32
-// 5-10% faster than the hardware prefetcher alone, 16 KiB ahead slower.
+// weight streams from DRAM only in a group's first chunk; 8 KiB ahead (4 steps) beats the
+// hardware prefetcher alone at batch 1-32, and 16 KiB ahead is slower (engine_overhead on AMX).
 template <bool Prefetch>
 void chunk_by_group(const bf16* x, int64_t ldx, int rows0, int rows1, const bf16* w, int64_t steps, float* acc) {
   constexpr int64_t kAhead = 4 * kStepElems;
@@ -144,7 +142,7 @@ struct AmxChunks {
     }
   }
   void operator()(int64_t m0, int rows, const bf16* w, int64_t steps, bool from_memory, float* acc,
-                  pdserve_cpu::PrefetchCursor&) {  // no background prefetch measured on AMX yet
+                  pdserve_cpu::PrefetchCursor&) {  // no background prefetch: not benchmarked on AMX
     (*this)(m0, rows, w, steps, from_memory, acc);
   }
   ~AmxChunks() { _tile_release(); }
@@ -160,11 +158,10 @@ struct AmxChunks {
 // rows; at R = 8 there are 16 independent chains, enough to hide the instruction's latency.
 //
 // Prefetch (the block that reads the weight from memory): each k pair's two lines 16 KiB ahead
-// (8 steps) into L2, one pair of prefetches per pair of loads. Streaming all of SmolLM2's
-// projections on a 2-core Zen 4, from 1 to 8 rows, this reads at the rate of a bare load loop over
-// the same bytes (7.4-7.7 ms against 7.1-7.8); the AMX path's burst of 32 prefetches into L1 each
-// step, 8 KiB ahead, ran at 1 row 9.5-10 ms and at 8 rows 14-15 ms (oneDNN 13-14): the burst
-// filled L1's miss buffers and the loads behind it waited.
+// (8 steps) into L2, one pair of prefetches per pair of loads: from 1 to 8 rows this streams the
+// weights at the rate of a bare load loop over the same bytes. The AMX path's burst of 32
+// prefetches into L1 a step fills L1's miss buffers here, and the loads behind it wait
+// (engine_overhead's matmuls column, decode batch 1 and 8; docs/cpu_kernels.md "Tiles").
 //
 // `background` (the next layer's KV, prefetch.h) and `next` (the next group's weight) trickle
 // their lines one each per k pair, between the block's own loads.
@@ -250,30 +247,23 @@ void rows_by_group_any(int rows, const int32_t* x, int pitch, const bf16* w, int
 // x's rows as VDPBF16PS broadcasts them, packed once per call for every thread and group: blocks
 // of 8 rows, each [K/2, 8] pairs of bfloat16 (one int32 each), the 8 rows' pairs for one k pair
 // side by side. The kernel then finds each broadcast at a constant offset from one pointer that
-// moves by 512 bytes a step. Straight from x, each of the 8 rows needed its own pointer, and with
-// the k loop unrolled GCC kept them on the stack: 247 stack accesses in the 8-row kernel, loads
-// competing with the weight's and x's for the load ports.
+// moves by 512 bytes a step. Straight from x, each of the 8 rows needs its own pointer, and with
+// the k loop unrolled GCC keeps them on the stack: loads competing with the weight's and x's for
+// the load ports.
 //
 // A block is an 8 x K/2 transpose of int32, 8 x 8 at a time in AVX2 registers, its rows past x's
-// last zero. One int32 at a time, on one thread while the other waited, it was about 1 ms of a
-// batch-32 decode step: 32 rows through a one-group weight (packing, one group, dispatch) took
-// 15.4 us at K 576 and 34.7 at K 1,536, now 8.8 and 19.0 (2-core Zen 4). A last, partial block
-// went the old way until the transpose took it too: 4 rows at K 1,536 5.75 -> 4.79 us (the call
-// from Python included; 1 row even, 3.3 us at K 576).
+// last zero, a partial last block included: packed one int32 at a time, on one thread while the
+// other waits, it would be a visible part of a batch-32 decode step (engine_overhead, batch 32;
+// docs/cpu_kernels.md "Tiles").
 //
-// Two to four rows pack into a block only as wide as they need, 2 or 4 pairs a k pair: batch 2
-// 10.5-12.1 -> 10.1-11.4 ms (won 9 of 12 and 13 of 16 rounds), batch 3 13.0 -> 12.9 (9 of 12),
-// batch 4 13.5-13.7 -> 13.0-13.8 (7 of 12, 12 of 16), against blocks of 8.
+// Two to four rows pack into a block only as wide as they need, 2 or 4 pairs a k pair, rather than
+// one of 8 that is mostly zeros (engine decode steps at batch 2 to 4; docs/cpu_kernels.md "Tiles").
 //
 // One row packs as two, the second zero, and runs the two-row kernel (rows_by_group_r), whose
-// second row's products are wasted: a one-row step streams its weights faster that way. Over all
-// of SmolLM2's projections from Python on a 2-core Zen 4, alternating: 36-40 GB/s as one row
-// (the kernel reading x's pairs where they lie, Pitch 1) against 48-50 as a padded pair, in an
-// hour when two threads sum memory at 66-69 GB/s; 25-28 against 32-35 in a slower one. Engine
-// decode steps at batch 1, in-process A/B rounds of 30 steps each way: 8.62 -> 8.40 ms, won 12
-// of 12 rounds. (Two sessions before, one row packed into a block of 8 pairs a k pair, 32 bytes
-// each, lost to Pitch 1: that packing waited on DRAM for the buffer's lines. A pair's buffer is a
-// quarter of it.)
+// second row's products are wasted: a one-row step streams its weights faster that way than the
+// one-row kernel reading x's pairs where they lie (Pitch 1), and a block of 8 pairs would wait on
+// DRAM for a buffer four times as large (engine_overhead, decode batch 1; docs/cpu_kernels.md
+// "Tiles").
 struct PairRows {
   // out[p * P + r] = pair p of row r (x's rows at stride ldx) for the first `rows` (<= P) rows,
   // zero for the rest of the P; P 2, 4 or 8, half_k % 8 == 0. Eight pairs of each row at a time:
@@ -333,7 +323,7 @@ struct PairRows {
       (pitch_ == 2 ? transpose<2> : transpose<4>)(x, ldx, m, half_k, out);
       return;
     }
-    // Decode-sized x packs on the calling thread: a fork and join (about 4 us) costs more.
+    // Decode-sized x packs on the calling thread: a fork and join costs more than the packing.
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (half_k * kRowBlock));
     at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b)
@@ -359,11 +349,9 @@ struct PairRows {
 // A chunk of up to kTileHardwareStreamRows rows (ops.h) leaves out the prefetch of its own weight
 // where the weights lie on transparent huge pages (`tile_weights_on_huge_pages`): there the hardware
 // prefetcher streams them faster than with the 16 KiB-ahead prefetches, whose two instructions
-// per k pair are a large part of such a small chunk's work. Engine decode steps on a 2-core Zen 4
-// (SmolLM2, context 256), in-process A/B rounds: batch 1 11.0-11.4 -> 9.9-10.7 ms (won 14-15 of
-// 16-20 rounds, three runs), batch 2 12.8 -> 11.7 (11 of 12), batch 4 13.3-13.9 -> 11.8-13.2 (10-11
-// of 12); at 6 and 8 rows even (5-7 of 12). One thread streaming a 226 MB weight read 24-25 GB/s
-// without them and 18-20 with; on 4 KiB pages they help (15 -> 18).
+// per k pair are a large part of such a small chunk's work. Larger chunks keep them (there they
+// cost nothing or help), and so do weights on 4 KiB pages, where the hardware prefetcher stops at
+// every page (engine_overhead, decode batch 1 and 8; docs/cpu_kernels.md "Tiles").
 
 struct Avx512Bf16Chunks {
   using Rows = PairRows;
@@ -416,8 +404,8 @@ struct PortableChunks {
 };
 
 // Rows of x go in blocks that stay in L2 while every group of the weight passes by (each block
-// reads the weight once more): without them an 8,192-token prefill re-read all of x from memory
-// for each group of 32 columns and ran at half oneDNN's rate.
+// reads the weight once more): without them a long prefill re-reads all of x from memory for each
+// group of 32 columns.
 constexpr int64_t kBlockBytes = 512 * 1024;
 
 // The loop both ops share: within a block of rows, each thread takes a share of the weight's
@@ -544,10 +532,8 @@ at::Tensor tile_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
   // projection and reading it back in a second parallel pass.
   //
   // With the up's groups in the second half of the weight (as the projection lies), each thread
-  // read two streams 1.8 MB apart (SmolLM2), and the fused kernel ran 8-10% slower than a plain
-  // projection over the same bytes. Engine decode steps on a 2-core Zen 4, in-process A/B rounds
-  // of 40 steps each way: batch 1 11.33-11.94 -> 11.21-11.36 ms (won 14 and 15 of 16), batch 8
-  // 16.4-18.5 -> 15.8-18.3 (won 9 and 9 of 16; context 256 growing to 1,500 over the rounds).
+  // would read two streams 1.8 MB apart (SmolLM2), slower than one stream over the same bytes
+  // (engine_overhead, decode batch 1 and 8; docs/cpu_kernels.md "Tiles").
   const int64_t ldx = xc.stride(0), pairs = intermediate / kGroup, steps = packed.size(1);
   const int64_t group_elems = steps * kStepElems;
   with_chunks([&]<typename Chunks>(std::type_identity<Chunks>) {
@@ -568,38 +554,4 @@ at::Tensor tile_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, i
   return y;
 }
 
-// For the tests: [2, units] int64, how many times each unit ran and the thread that ran it last,
-// through parallel_for_stealing (the tiles' and decode attention's) on the current thread count;
-// thread 0 sleeps `slow_us` microseconds after each unit, so that the others steal from it.
-at::Tensor stealing_shares_trace(int64_t units, int64_t slow_us) {
-  TORCH_CHECK(units >= 0 && slow_us >= 0, "units and slow_us must not be negative");
-  at::Tensor trace = at::zeros({2, units}, at::kLong);
-  int64_t* count = trace.data_ptr<int64_t>();
-  int64_t* by = count + units;
-  parallel_for_stealing(units, [] { return at::get_thread_num(); }, [&](int thread, int64_t u, int64_t) {
-    __atomic_fetch_add(count + u, 1, __ATOMIC_RELAXED);
-    by[u] = thread;
-    if (thread == 0 && slow_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(slow_us));
-  });
-  return trace;
-}
-
 }  // namespace pdserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
-  m.def("stealing_shares_trace(int units, int slow_us) -> Tensor", &pdserve_cpu::stealing_shares_trace);
-  m.def("tile_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
-  m.def("tile_linear_silu_mul(Tensor x, Tensor packed, int intermediate) -> Tensor");
-  m.def("tile_kernel() -> str", &pdserve_cpu::tile_kernel);
-  m.def("tile_weights_on_huge_pages() -> bool", &pdserve_cpu::tile_weights_on_huge_pages);
-  m.def("set_tile_weights_on_huge_pages(bool on) -> ()", &pdserve_cpu::set_tile_weights_on_huge_pages);
-}
-
-TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
-  m.impl("tile_linear", [](const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
-    return pdserve_cpu::tile_linear(x, packed, out_features);
-  });
-  m.impl("tile_linear_silu_mul", [](const at::Tensor& x, const at::Tensor& packed, int64_t intermediate) {
-    return pdserve_cpu::tile_linear_silu_mul(x, packed, intermediate);
-  });
-}

@@ -12,13 +12,12 @@
 // row sees, a softmax per row over the keys that row sees (the rest zeroed), then the product with
 // the values, whose rows are divided by their sums as they are written out. The upper triangle of
 // each chunk's last keys is computed and discarded. kernels/reference.py's SDPA path is the oracle.
-// On a 2-core AVX2 EPYC, SmolLM2's shapes, 30 layers, alternating in one process (best of 15):
-// the same blocks as whole-block sgemms (MKL through at::mm) 27.1 ms at 256 tokens and 345 ms at
-// 1,024; through the panels 21.8 and 317; torch's SDPA (its CPU flash attention) was slower still.
+// The panels beat the same blocks as whole-block MKL sgemms (at::mm, which packs both operands
+// every call) and torch's SDPA (python -m pdserve.bench.engine_overhead --dtype float32, prefill
+// 256 and 1,024; docs/cpu_kernels.md "Prefill attention").
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "ops.h"
 #include "vec.h"
@@ -151,9 +150,3 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key, const a
 }
 
 }  // namespace pdserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
-  m.def("prefill_attention(Tensor q, Tensor key, Tensor value, int offset, float scale) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("prefill_attention", &pdserve_cpu::prefill_attention); }

@@ -13,22 +13,20 @@
 // tiles at a time, divided by the row's sum on the way out. As SDPA's bfloat16 kernels do, the
 // probabilities are rounded to bfloat16 before they weight the values; sums and maxima are float32.
 //
-// Why: on a 2-core Sapphire Rapids, torch's SDPA (its CPU flash attention) ran SmolLM2's bfloat16
-// prefill attention at 190-300 GFLOP/s: 12 ms of an 85 ms prefill of 256 tokens, 120 ms of 300 at
-// 1,024.
+// Why: torch's SDPA (its CPU flash attention) runs bfloat16 prefill attention far below the tiles'
+// rate, a large share of a prefill (python -m pdserve.bench.engine_overhead --dtype bfloat16,
+// prefill 256 and 1,024, against --attention-backend reference; docs/cpu_kernels.md "Prefill
+// attention").
 //
 // Where the build has no AMX, or Linux refuses the process the tile state (amx.h), the same layout
 // runs on VDPBF16PS in register blocks where the CPU has AVX512-BF16 (Avx512Bf16Blocks), else
 // through a portable emulation of the tile instructions: slow and never chosen by the backend
 // (`tile_kernel`), but it keeps the packing and the chunking tested on every machine against the
-// SDPA oracle. The register blocks replaced an emulation of the tiles with VDPBF16PS; SmolLM2's
-// shapes, 30 layers, 2-core Zen 4, three alternations of the two builds (median of 15 each):
-// 256 tokens 12.8-14.2 -> 10.4-11.9 ms, 1,024 tokens 128-146 -> 121-124 ms.
+// SDPA oracle.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include "amx.h"
 #include "ops.h"
@@ -47,7 +45,7 @@ constexpr int64_t kStep = 32;  // bfloat16 elements in a tile row: D per step of
 
 // Padding past each scratch row (64 bytes: 16 floats, 32 bfloat16). Rows of a power-of-two width
 // sit 4 KB apart, so a tile's 16 row stores and loads alias in the L1 and serialise; one more line
-// per row spreads them (7% of the kernel at 1,024-2,048 tokens on Sapphire Rapids).
+// per row spreads them (engine_overhead, prefill 1,024, on AMX).
 constexpr int64_t kPadF = 16, kPadB = 32;
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -105,12 +103,13 @@ struct AmxTiles {
 // layouts, its accumulators in registers over the whole reduction: 8 rows by two key tiles (32
 // keys) for the scores, 8 rows by two column tiles (32 of D) for the outputs, one broadcast pair of
 // A per row and one B row per tile at each pair of the reduction. (4 rows by four column tiles
-// read all of an item's values from L2 once per 4 rows, not 8, and its products ran slower than
-// the scores' by a third: 44.5% of the kernel's samples against 32.9 at 1,024 tokens.)
+// would read all of an item's values from L2 once per 4 rows, not 8, and make the products with
+// the values slower than the scores.) engine_overhead --dtype bfloat16, prefill 256 and 1,024, on
+// AVX512-BF16; docs/cpu_kernels.md "Prefill attention".
 struct Avx512Bf16Blocks {};
 
-// Keeps v in a register from here on: without it GCC loaded each B row again for every row of A
-// it multiplied (one 512-bit load per VDPBF16PS, which on Zen 4 made the loads the bound).
+// Keeps v in a register from here on: without it GCC loads each B row again for every row of A
+// it multiplied (one 512-bit load per VDPBF16PS, which makes the loads the bound).
 template <typename V>
 inline void in_register(V& v) {
   asm volatile("" : "+v"(v));
@@ -242,7 +241,7 @@ void pack_values(const bf16* src, int64_t ld, int64_t keys, int64_t d, bf16* dst
 // scores to the probabilities (n > 0); returns the sum of the exponentials before rounding. The
 // exponent is one multiply-add in base 2 and exp2_coarse is accurate to the bfloat16 the
 // probabilities are rounded to. With AVX512-BF16 the rounding is one instruction (vec.h store16);
-// its generic emulation took a third of the softmax.
+// its generic emulation is a large share of the softmax.
 inline float exp_into_bf16(const float* s, int64_t n, int64_t width, float scale, bf16* p) {
   const float k = scale * 1.4426950408889634f, mk = -row_max(s, n) * k;  // log2(e) scale
   vf sum = {};

@@ -1,6 +1,6 @@
-// The compiled CPU ops as C++ functions, for ops built from other ops (cpu_decoder_layer.cpp)
-// without a trip through the dispatcher. Each is registered as torch.ops.pdserve_cpu.<name> by
-// the file that defines it; the schemas and the checks live there.
+// The compiled CPU ops as C++ functions: bindings.cpp registers them as torch.ops.pdserve_cpu.<name>
+// (the schemas live there), and ops built from other ops (cpu_decoder_layer.cpp) call them without
+// a trip through the dispatcher. The checks live with each definition.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -28,6 +28,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& y, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
+// [R, N] rows -> int64 [R]: max(dim=-1).indices, for greedy sampling.
+at::Tensor argmax_rows(const at::Tensor& x);
 
 // cpu_linear.cpp
 at::Tensor linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features);
@@ -87,5 +89,16 @@ void set_tile_weights_on_huge_pages(bool on);
 // hardware prefetcher; larger chunks prefetch their weight kTileOwnPrefetchBytes ahead.
 constexpr int kTileHardwareStreamRows = 4;
 constexpr int64_t kTileOwnPrefetchBytes = int64_t{16} << 10;
+
+// cpu_decoder_layer.cpp: every layer of a step and the final norm in one call (the arguments are
+// described there).
+at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, at::TensorList large_weights, int64_t large_above,
+                           const at::Tensor& final_norm, const at::Tensor& positions, const at::Tensor& cos,
+                           const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping,
+                           int64_t num_decode, const at::Tensor& decode_seq_lens,
+                           const at::Tensor& decode_block_tables, const at::Tensor& prefill_cu_seqlens_q,
+                           const at::Tensor& prefill_seq_lens, const at::Tensor& prefill_block_tables,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
+                           double eps, double scale, bool kv_prefetch);
 
 }  // namespace pdserve_cpu

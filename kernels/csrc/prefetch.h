@@ -5,10 +5,12 @@
 // left without a sequence (cpu_attention.cpp).
 //
 // Why: at batch 32 a decode step's projections are bound by compute (the weights stream in a
-// third of their time), and decode attention then reads its KV from DRAM with the vector units
-// nearly idle: on a 2-core Zen 4 the two ran one after the other, 24 + 8 ms, where the roofline
-// is the larger of the two rates, not their sum. Prefetched into L2 during the MLP, the KV spills
-// into L3 (on Zen 4 a victim cache of L2, 32 MiB) and attention reads it from there.
+// fraction of their time), and decode attention then reads its KV from DRAM with the vector units
+// nearly idle: one after the other the two cost their sum, where the roofline is the larger of
+// them. Prefetched into L2 during the MLP, the KV spills into L3 (on Zen 4 a victim cache of L2)
+// and attention reads it from there (python -m pdserve.bench.engine_overhead, decode batch 32,
+// against --no-kv-prefetch; docs/cpu_kernels.md "Elementwise ops and the decoder layers in one
+// call").
 #pragma once
 
 #include <algorithm>

@@ -1,6 +1,6 @@
 // Vector helpers shared by the CPU kernels: GCC/Clang vector types of eight and sixteen floats,
-// lowered to whatever -march=native offers, loads from float32 and bfloat16, stores that round to
-// bfloat16, a horizontal sum and a branch-free exp.
+// lowered to whatever the build's instruction set offers (kernels/variants.py), loads from float32
+// and bfloat16, stores that round to bfloat16, a horizontal sum and a branch-free exp.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -17,16 +17,16 @@
 namespace {
 
 // Eight floats: one AVX2 register (two SSE ones, half an AVX-512 one); GCC and Clang lower these
-// vector types to whatever -march=native offers.
+// vector types to whatever the build's instruction set offers.
 typedef float v8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 // bfloat16 is the top half of a float32: widening is a shift; narrowing rounds the way
 // c10::BFloat16 does (to nearest, ties to even; NaN stays a quiet NaN), a vector at a time. The
-// scalar conversion branches on NaN per element and does not vectorise, which made a bfloat16
-// SiLU-mul of a 256-token prefill 15x slower than its float32 one. V is a float vector, U16 and
-// U32 the unsigned vectors of as many lanes.
+// scalar conversion branches on NaN per element and does not vectorise, which makes a bfloat16
+// SiLU-mul many times slower than its float32 one. V is a float vector, U16 and U32 the
+// unsigned vectors of as many lanes.
 template <typename V, typename U16, typename U32>
 inline V widen_bf16(const c10::BFloat16* p) {
   U16 h;
@@ -177,9 +177,10 @@ inline void store16(c10::BFloat16* p, v16 v) { narrow_bf16<v16, u16x16, u32x16>(
 
 // The widest float vector the CPU computes natively, for the elementwise loops and the softmax:
 // sixteen floats on AVX-512, eight elsewhere. A 64-byte GCC vector on an AVX2 CPU is lowered
-// piece by piece, and its selects, maxima and float-to-int conversions went lane by lane through
-// the stack: on a 2-core AVX2 EPYC the 16-wide SiLU-mul of a 256-token float32 prefill took 28 ms
-// over 30 layers, and the softmax as long as the scores of decode attention.
+// piece by piece, and its selects, maxima and float-to-int conversions go lane by lane through
+// the stack, which makes SiLU-mul and the softmax far slower than at the native width
+// (python -m pdserve.bench.engine_overhead --dtype float32, prefill 256, on AVX2;
+// docs/cpu_kernels.md "Elementwise ops and the decoder layers in one call").
 #if defined(__AVX512F__)
 typedef v16 vf;
 template <typename T> inline vf loadf(const T* p) { return load16(p); }

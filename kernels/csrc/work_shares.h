@@ -4,15 +4,12 @@
 //
 // Why: at batch 1 the main thread attends the step's one sequence while the other thread pulls
 // the output projection's weight into its cache (decode_attention_then's `spare`); with even
-// shares the second thread then waited at the projection's join for the main thread's share,
-// which it held in its own cache. perf put 8.5% of a batch-1 step's samples on the second
-// thread waiting at closing barriers (2-core Zen 4). Engine decode steps with the tiles taking
-// units this way, in-process A/B rounds of 30 steps each way: batch 1 9.36 -> 8.42 ms and
-// 8.26 -> 7.85 (won 10 of 12 twice); batch 4 10.43 -> 10.49 (the old won 4 of 10), batch 8
-// 13.25 -> 13.67 and 12.00 -> 12.03 (the old won 6 of 12 and 4 of 10), batch 32 38.3 -> 35.6
-// (7 of 10): the last three within the noise there. A thief's unit is the far end of the other's
-// share, so the owner's stream through memory stays in order. Decode attention takes its
-// sequences the same way (cpu_attention.cpp), for sequences of different lengths.
+// shares the second thread would wait at the projection's join for the main thread's share,
+// which it holds in its own cache. Stealing gains at batch 1 and costs nothing at larger batches
+// (python -m pdserve.bench.engine_overhead, decode batch 1, 8 and 32; docs/cpu_kernels.md
+// "Tiles"). A thief's unit is the far end of the other's share, so the owner's stream through
+// memory stays in order. Decode attention takes its sequences the same way (cpu_attention.cpp),
+// for sequences of different lengths.
 
 #pragma once
 

@@ -233,36 +233,32 @@ def test_bfloat16_prefill_runs_on_tiles_only_where_they_run_natively(backend, mo
 
 
 def test_the_cpu_is_the_default_backend_on_cpu(monkeypatch):
-    monkeypatch.delenv("PDSERVE_ATTENTION_BACKEND", raising=False)
     assert isinstance(get_backend("cpu"), CpuBackend)
     assert type(get_backend("cpu", "reference")) is ReferenceBackend
 
 
 def test_a_failed_build_falls_back_to_the_reference_with_a_warning(monkeypatch, caplog):
-    def broken():
+    def broken(cache_dir):
         raise OSError("no C++ compiler")
 
-    monkeypatch.setattr(cpu_ops, "_state", {})
-    monkeypatch.setattr(cpu_ops, "_build", broken)
-    monkeypatch.delenv(cpu_ops.REQUIRE_ENV, raising=False)
-    monkeypatch.delenv("PDSERVE_ATTENTION_BACKEND", raising=False)
+    monkeypatch.setattr(cpu_ops, "_loaded", None)
+    monkeypatch.setattr(cpu_ops, "installed_variants", lambda: [])  # a checkout: nothing prebuilt
+    monkeypatch.setattr(cpu_ops, "_build_native", broken)
     with caplog.at_level(logging.WARNING, logger="pdserve.kernels.cpu_ops"):
         assert type(get_backend("cpu")) is ReferenceBackend
     assert "no C++ compiler" in caplog.text
     with pytest.raises(RuntimeError, match="did not build"):
         get_backend("cpu", "cpu")
-    monkeypatch.setattr(cpu_ops, "_state", {})
-    monkeypatch.setenv(cpu_ops.REQUIRE_ENV, "1")
+    monkeypatch.setattr(cpu_ops, "_loaded", None)
     with pytest.raises(RuntimeError, match="required"):
-        cpu_ops.load()
+        cpu_ops.load(require=True)
 
 
 def test_the_build_is_cached_per_cpu_and_source(monkeypatch, tmp_path):
     key = cpu_ops.build_key()
     monkeypatch.setattr(cpu_ops, "_cpu_signature", lambda: "model name: another CPU\nflags: sse2")
     assert cpu_ops.build_key() != key
-    monkeypatch.setenv(cpu_ops.CACHE_ENV, str(tmp_path))
-    assert cpu_ops.cache_dir().parent == tmp_path
+    assert cpu_ops.native_build_dir(tmp_path).parent == tmp_path
 
 
 # --- the fused elementwise ops (kernels/csrc/cpu_elementwise.cpp) against model/llama.py's PyTorch code ---
@@ -380,12 +376,11 @@ def test_fused_ops_refuse_other_dtypes(backend):
 def test_the_engine_gives_the_same_greedy_tokens_with_and_without_the_fused_ops(tiny, monkeypatch):
     from pdserve.config.engine import EngineConfig
     from pdserve.engine.engine import Engine
-    from pdserve.engine.runner import CPU_FUSED_ENV
 
     outs = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv(CPU_FUSED_ENV, flag)
-        engine = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32"), loaded=tiny)
+        config = EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32", fused_ops=flag == "1")
+        engine = Engine(config, loaded=tiny)
         assert engine.runner.fused_elementwise is (flag == "1")
         assert engine.runner.compiled_layers is (flag == "1")
         outs[flag] = greedy_tokens(engine, {f"r{i}": [5 + i, 60, 7, 300 + i] for i in range(3)}, 10)
@@ -417,14 +412,15 @@ def test_compiled_store_kv_refuses_a_slot_outside_the_cache_and_writes_nothing(b
     assert not k_cache.any() and not v_cache.any()
 
 
-def lockstep_compiled_and_pytorch_layers(tiny, dtype: str, max_tokens: int):
+def lockstep_compiled_and_pytorch_layers(tiny, dtype: str, max_tokens: int, cpu_linear: str = "auto"):
     """Two engines fed the same three prompts (different lengths: the decode batch reads different
     block counts), one running decode steps through decoder_layer_, one through the PyTorch
     layers. Returns the engines and each one's greedy tokens per request."""
     from pdserve.config.engine import EngineConfig
     from pdserve.engine.engine import Engine
 
-    engines = [Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype=dtype), loaded=tiny) for _ in range(2)]
+    config = EngineConfig(model="tiny", num_kv_blocks=64, dtype=dtype, cpu_linear=cpu_linear)
+    engines = [Engine(config, loaded=tiny) for _ in range(2)]
     assert all(e.runner.compiled_layers for e in engines)
     engines[1].runner.model.use_compiled_layers(None)
     prompts = {f"r{i}": list(range(5 + i, 5 + 9 * (i + 1))) for i in range(3)}
@@ -437,11 +433,7 @@ def lockstep_compiled_and_pytorch_layers(tiny, dtype: str, max_tokens: int):
 def test_a_compiled_decoder_layer_step_writes_the_cache_and_tokens_the_pytorch_layers_do(tiny, monkeypatch, linear):
     """Same greedy tokens, and the KV caches agree to float32 rounding. The layer takes the
     projections packed either way: our panels or oneDNN's layout."""
-    from pdserve.model.llama import CPU_LINEAR_ENV
-
-    monkeypatch.delenv("PDSERVE_CPU_FUSED", raising=False)
-    monkeypatch.setenv(CPU_LINEAR_ENV, linear)
-    engines, outs = lockstep_compiled_and_pytorch_layers(tiny, "float32", max_tokens=9)
+    engines, outs = lockstep_compiled_and_pytorch_layers(tiny, "float32", max_tokens=9, cpu_linear=linear)
     assert all(e.runner.cpu_linear == linear for e in engines)
     assert outs[0] == outs[1]
     torch.testing.assert_close(engines[0].runner.kv_cache, engines[1].runner.kv_cache, atol=1e-4, rtol=1e-4)
@@ -492,7 +484,6 @@ def test_compiled_layers_run_prompts_chunks_prefixes_and_mixed_steps_as_the_pyto
     from pdserve.model.weights import load_model
     from tests.helpers.tiny_llama import make_tiny_llama_dir
 
-    monkeypatch.delenv("PDSERVE_CPU_FUSED", raising=False)
     loaded = load_model(str(make_tiny_llama_dir(tmp_path / "tiny32", hidden_size=128)))  # head size 32
     config = EngineConfig(model="tiny", num_kv_blocks=64, dtype=dtype, max_num_batched_tokens=16)
     engines = [Engine(config, loaded=loaded) for _ in range(2)]
@@ -524,10 +515,8 @@ def test_a_bfloat16_compiled_decoder_layer_matches_the_pytorch_layers(tiny, monk
     them, oneDNN where oneDNN computes bfloat16, our panels elsewhere): the same tokens and KV
     cache as the PyTorch layers, op for op."""
     from pdserve.kernels.cpu_linear import tiles_run
-    from pdserve.model.llama import CPU_LINEAR_ENV, onednn_linear_available
+    from pdserve.model.llama import onednn_linear_available
 
-    monkeypatch.delenv("PDSERVE_CPU_FUSED", raising=False)
-    monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
     engines, outs = lockstep_compiled_and_pytorch_layers(tiny, "bfloat16", max_tokens=6)
     if tiles_run(engines[0].runner.compiled_ops):
         picked = "tiles"
@@ -546,7 +535,6 @@ def test_a_batch_of_one_decodes_the_same_bits_on_two_threads_as_on_one(tiny, mon
     from pdserve.config.engine import EngineConfig
     from pdserve.engine.engine import Engine
 
-    monkeypatch.delenv("PDSERVE_CPU_FUSED", raising=False)
     threads = torch.get_num_threads()
     runs = []
     try:

@@ -2,7 +2,7 @@
 cpu_linear.cpp, the default for float32) and oneDNN's packed matmul compute the plain matmul,
 at every row count the kernel tiles differently (0, 1, a partial tile, whole tiles, several row
 blocks), over output widths that are not a multiple of the panel, on strided rows; bad inputs
-raise; PDSERVE_CPU_LINEAR picks the path, and a whole engine's greedy output is the same on all
+raise; --cpu-linear picks the path, and a whole engine's greedy output is the same on all
 three."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.kernels import cpu_linear
-from pdserve.model.llama import CPU_LINEAR_ENV, Linear, onednn_linear_available
+from pdserve.model.llama import Linear, onednn_linear_available
 from tests.helpers.engine_runs import greedy_tokens
 
 
@@ -208,11 +208,8 @@ def test_the_compiled_onednn_linear_refuses_a_weight_that_does_not_fit(ops):
 
 
 def greedy(tiny, monkeypatch, mode):
-    if mode is None:
-        monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
-    else:
-        monkeypatch.setenv(CPU_LINEAR_ENV, mode)
-    engine = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32"), loaded=tiny)
+    config = EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32", cpu_linear=mode or "auto")
+    engine = Engine(config, loaded=tiny)
     prompts = {f"r{i}": [3 + i, 17, 42 + 5 * i, 9, 100 + i] for i in range(4)}
     return engine, greedy_tokens(engine, prompts, 12)
 
@@ -252,13 +249,11 @@ def test_each_linear_choice_gives_the_same_tokens(tiny, monkeypatch):
 
 
 def test_an_unknown_linear_choice_is_refused_by_name(tiny, monkeypatch):
-    monkeypatch.setenv(CPU_LINEAR_ENV, "blas")
-    with pytest.raises(ValueError, match="PDSERVE_CPU_LINEAR='blas'"):
-        Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32"), loaded=tiny)
+    with pytest.raises(ValueError, match="--cpu-linear must be one of .*'blas'"):
+        Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32", cpu_linear="blas"), loaded=tiny)
 
 
 def test_the_engine_start_line_names_the_resolved_dtype_and_the_linear_path(tiny, monkeypatch, caplog):
-    monkeypatch.setenv(CPU_LINEAR_ENV, "mkl")
     with caplog.at_level("INFO", logger="pdserve.engine.engine"):
-        Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32"), loaded=tiny)
+        Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="float32", cpu_linear="mkl"), loaded=tiny)
     assert "dtype=float32 linears=mkl" in caplog.text

@@ -16,7 +16,7 @@ from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.kernels import cpu_linear
 from pdserve.model.config import cpu_flags
-from pdserve.model.llama import CPU_LINEAR_ENV, Linear, onednn_linear_available
+from pdserve.model.llama import Linear, onednn_linear_available
 from tests.helpers.engine_runs import greedy_tokens
 
 
@@ -82,34 +82,6 @@ def test_a_few_rows_give_the_bits_they_give_among_eight_even_two_bytes_off_a_pai
     truth = few.double() @ weight.double().t()
     scale = few.double().abs() @ weight.double().abs().t()
     assert ((alone.double() - truth).abs() <= truth.abs() * 2**-8 + scale * 1e-6).all()
-
-
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
-def test_a_thread_done_with_its_share_takes_units_from_the_far_end_of_a_slower_threads(ops, two_threads):
-    """The tiles hand each thread its contiguous share of a weight's groups, and a thread with
-    none left takes the other's from its far end (work_shares.h): here thread 0 sleeps after each
-    unit, so thread 1 runs its own 20, then share 0's from the top down, while thread 0 goes on
-    from the bottom. Every unit runs exactly once."""
-    count, by = ops.stealing_shares_trace(40, 5000)
-    assert count.tolist() == [1] * 40
-    assert by[20:].tolist() == [1] * 20
-    share0 = by[:20].tolist()
-    kept = share0.count(0)  # thread 0 ran a prefix of its share, thread 1 the rest
-    assert share0 == [0] * kept + [1] * (20 - kept)
-    assert kept < 20, "thread 1 took none of the sleeping thread's units"
-
-
-@pytest.mark.parametrize("units", [0, 1, 3])
-def test_fewer_units_than_threads_still_run_each_once(ops, two_threads, units):
-    count, _ = ops.stealing_shares_trace(units, 0)
-    assert count.tolist() == [1] * units
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
@@ -276,8 +248,8 @@ def test_onednn_after_the_tiles_computes_what_it_computed_before(ops):
 PROMPTS = {f"r{i}": [3 + i, 17, 42 + 5 * i, 9, 100 + i] * (i + 1) for i in range(4)}
 
 
-def greedy(tiny, dtype, steps=10):
-    engine = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype=dtype), loaded=tiny)
+def greedy(tiny, dtype, steps=10, cpu_linear="auto"):
+    engine = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype=dtype, cpu_linear=cpu_linear), loaded=tiny)
     return engine, greedy_tokens(engine, PROMPTS, steps)
 
 
@@ -285,7 +257,6 @@ def test_auto_takes_the_tiles_for_bfloat16_where_they_run_and_they_agree_with_th
     """With the tiles reported native (on a CPU without AMX or AVX512-BF16, the portable loop computes the same layout), `auto`
     packs every linear into tiles in bfloat16; decode steps go through the compiled layers on the
     tiles, and tokens and KV cache equal those of the PyTorch layers on the same tiles."""
-    monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
     monkeypatch.setattr(runner_module, "tiles_run", lambda ops: ops is not None)
     compiled, out = greedy(tiny, "bfloat16")
     assert compiled.runner.cpu_linear == "tiles" and compiled.runner.compiled_layers
@@ -301,7 +272,6 @@ def test_auto_takes_the_tiles_for_bfloat16_where_they_run_and_they_agree_with_th
 
 
 def test_auto_keeps_float32_off_the_tiles(tiny, monkeypatch):
-    monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
     monkeypatch.setattr(runner_module, "tiles_run", lambda ops: ops is not None)
     engine, out = greedy(tiny, "float32", steps=3)
     assert engine.runner.cpu_linear in ("pdserve", "onednn")
@@ -310,12 +280,11 @@ def test_auto_keeps_float32_off_the_tiles(tiny, monkeypatch):
 
 @pytest.mark.parametrize("name", ["tiles", "amx"])
 def test_asking_for_the_tiles_where_they_cannot_run_falls_back_with_a_warning(tiny, monkeypatch, caplog, name):
-    monkeypatch.setenv(CPU_LINEAR_ENV, name)
     monkeypatch.setattr(runner_module, "tiles_run", lambda ops: False)
     with caplog.at_level("WARNING"):
-        engine, out = greedy(tiny, "bfloat16", steps=3)
+        engine, out = greedy(tiny, "bfloat16", steps=3, cpu_linear=name)
     assert engine.runner.cpu_linear == "pdserve"
-    assert f"PDSERVE_CPU_LINEAR={name}" in caplog.text
+    assert f"--cpu-linear={name}" in caplog.text
     assert all(len(v) == 3 for v in out.values())
 
 
@@ -324,7 +293,6 @@ def test_a_decode_batch_of_twenty_runs_the_compiled_layers_as_the_pytorch_layers
     more, where the MLP's projections also prefetch the next layer's KV for the decode rows
     (cpu_decoder_layer.cpp, on the VDPBF16PS tiles) and, above 8 rows, the next group's weight.
     Prefetches change no number: the compiled layers give the PyTorch layers' tokens and cache."""
-    monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
     monkeypatch.setattr(runner_module, "tiles_run", lambda ops: ops is not None)
     prompts = {f"s{i}": [5 + i, 11, 40 + 3 * i] + list(range(60, 60 + 2 * i)) for i in range(20)}
     engines = [Engine(EngineConfig(model="tiny", num_kv_blocks=128, dtype="bfloat16"), loaded=tiny) for _ in range(2)]

@@ -117,7 +117,7 @@ def test_empty_batches_launch_nothing():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_engine_on_cuda_runs_them_and_gives_eager_greedy_tokens(tiny, monkeypatch):
-    """A CUDA engine uses them by default (PDSERVE_GPU_FUSED=0 turns them off) and, in float32,
+    """A CUDA engine uses them by default (--no-fused-ops turns them off) and, in float32,
     gives the eager model's greedy tokens and log-probs."""
     from pdserve.engine.llm import LLM
     from pdserve.protocol.sampling import SamplingParams
@@ -127,8 +127,7 @@ def test_the_engine_on_cuda_runs_them_and_gives_eager_greedy_tokens(tiny, monkey
     fused = LLM(loaded=tiny, device="cuda", dtype="float32")
     assert fused.engine.runner.fused_elementwise
     got = fused.generate(prompts, params, use_tqdm=False)
-    monkeypatch.setenv("PDSERVE_GPU_FUSED", "0")
-    eager = LLM(loaded=tiny, device="cuda", dtype="float32")
+    eager = LLM(loaded=tiny, device="cuda", dtype="float32", fused_ops=False)
     assert not eager.engine.runner.fused_elementwise
     want = eager.generate(prompts, params, use_tqdm=False)
     for g, w in zip(got, want, strict=True):
