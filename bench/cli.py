@@ -21,7 +21,7 @@ from pdserve.bench.client import Api
 from pdserve.bench.loadgen import LoadConfig, LoadMode
 from pdserve.bench.metrics import SLO
 from pdserve.bench.workloads import Arrival, WorkloadConfig, WorkloadKind
-from pdserve.config.env import env_default
+from pdserve.config.envs import flag_default
 
 
 def _rate(text: str) -> float:
@@ -90,10 +90,10 @@ def _add_run_options(p: argparse.ArgumentParser, suppress: bool) -> None:
             shown = "inf" if default == math.inf else default
             help_text = f"{text} (default: {shown}; env PDSERVE_{dest.upper()})"
             if conv == "flag":
-                d = argparse.SUPPRESS if suppress else env_default(dest, default, bool)
+                d = argparse.SUPPRESS if suppress else flag_default(dest, default, bool)
                 group.add_argument(flag, action="store_true", default=d, help=help_text)
             else:
-                d = argparse.SUPPRESS if suppress else env_default(dest, default, conv)
+                d = argparse.SUPPRESS if suppress else flag_default(dest, default, conv)
                 group.add_argument(flag, type=conv, default=d, help=help_text)
 
 
@@ -107,26 +107,26 @@ def _build(p: argparse.ArgumentParser) -> None:
     _add_run_options(run, suppress=True)
     sweep = sub.add_parser("sweep", help="SLO attainment over a range of request rates", formatter_class=fmt,
                            description="Run the workload at each rate; report attainment vs rate and the highest rate meeting the SLO.")
-    sweep.add_argument("--rates", default=env_default("rates", "1,2,4,8"),
+    sweep.add_argument("--rates", default=flag_default("rates", "1,2,4,8"),
                        help="rates as 1,2,4 or start:stop:step (default: 1,2,4,8; env PDSERVE_RATES)")
-    sweep.add_argument("--attainment-target", type=float, default=env_default("attainment_target", 0.9, float),
+    sweep.add_argument("--attainment-target", type=float, default=flag_default("attainment_target", 0.9, float),
                        help="fraction of requests that must meet the SLO (default: 0.9)")
     _add_run_options(sweep, suppress=True)
     cmp = sub.add_parser("compare", help="start each deployment, benchmark it, stop it; one table", formatter_class=fmt,
                          description="Start each deployment on localhost, wait for GET /ready, run the same "
                                      "workload, SIGTERM its process group; write compare.md, compare.json, PNGs.")
-    env_deps = env_default("deployment", None)
+    env_deps = flag_default("deployment", None)
     cmp.add_argument("--deployment", action="append", default=None,
                      help="NAME=COMMAND with {port} in COMMAND; repeat for each (default: static, prefill-first, "
                           "mixed, chunked colocated and disaggregated 'pdserve up'; env PDSERVE_DEPLOYMENT, one per line)")
     cmp.set_defaults(env_deployments=env_deps)
-    cmp.add_argument("--ready-timeout", type=float, default=env_default("ready_timeout", 600.0, float),
+    cmp.add_argument("--ready-timeout", type=float, default=flag_default("ready_timeout", 600.0, float),
                      help="seconds to wait for GET /ready == 200 (default: 600)")
-    cmp.add_argument("--stop-timeout", type=float, default=env_default("stop_timeout", 30.0, float),
+    cmp.add_argument("--stop-timeout", type=float, default=flag_default("stop_timeout", 30.0, float),
                      help="seconds between SIGTERM and SIGKILL (default: 30)")
-    cmp.add_argument("--rates", default=env_default("rates", None),
+    cmp.add_argument("--rates", default=flag_default("rates", None),
                      help="also sweep each deployment over these rates (default: no sweep)")
-    cmp.add_argument("--attainment-target", type=float, default=env_default("attainment_target", 0.9, float),
+    cmp.add_argument("--attainment-target", type=float, default=flag_default("attainment_target", 0.9, float),
                      help="sweep target attainment (default: 0.9)")
     _add_run_options(cmp, suppress=True)
     p.set_defaults(func=run_cli)

@@ -13,7 +13,6 @@ Every option `--foo-bar` defaults to $PDSERVE_FOO_BAR when set.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -22,11 +21,11 @@ from typing import Any
 
 import torch
 
+from pdserve.config import envs
+from pdserve.config.envs import flag_default
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-def _env(name: str, default: str) -> str:
-    return os.environ.get("PDSERVE_" + name.upper().replace("-", "_"), default)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
 
     def opt(name: str, default: str, kind: type, text: str) -> None:
-        p.add_argument(f"--{name}", type=kind, default=kind(_env(name, default)),
+        p.add_argument(f"--{name}", type=kind, default=kind(flag_default(name, default)),
                        help=f"{text} (default: {default}; env PDSERVE_{name.upper().replace('-', '_')})")  # fmt: skip
 
     opt("batch", "8", int, "decode batch size")
@@ -49,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     opt("dtype", "bfloat16", str, "float32, bfloat16 or float16")
     opt("repeats", "20", int, "timed runs per measurement (median)")
     p.add_argument("--interpret", action="store_true",
-                   default=_env("interpret", "0").lower() in ("1", "true", "yes"),
+                   default=flag_default("interpret", False),
                    help="run tiny shapes on the CPU through Triton's interpreter (env PDSERVE_INTERPRET)")  # fmt: skip
     args = p.parse_args(argv)
     if args.dtype not in DTYPES:
@@ -87,7 +86,7 @@ def copy_peak_bytes_per_s(device: torch.device, repeats: int, nbytes: int) -> fl
 def run(args: argparse.Namespace) -> int:
     if args.interpret:
         # Triton reads this when its kernels are decorated, i.e. at first import, below.
-        os.environ["TRITON_INTERPRET"] = "1"
+        envs.set_in_this_process("TRITON_INTERPRET", "1")
         device = torch.device("cpu")
         args.batch, args.context_len, args.prefill_len = 2, 64, 48
         args.num_heads, args.num_kv_heads, args.head_dim = 4, 2, 64

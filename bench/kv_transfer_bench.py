@@ -11,12 +11,12 @@ Medians over the repeats. Every option `--foo-bar` defaults to $PDSERVE_FOO_BAR 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 
+from pdserve.config.envs import flag_default
 from pdserve.engine.kv_cache import scatter_blocks
 from pdserve.kvtransfer.tensors import checksum, describe
 from pdserve.kvtransfer.transport import available_kinds, make_receiver, make_sender
@@ -28,9 +28,6 @@ _FP = ModelFingerprint(
     "bench", "llama", num_layers=16, num_kv_heads=8, head_dim=64, dtype="float32", block_size=16
 )
 
-
-def _env(name: str, default: str) -> str:
-    return os.environ.get("PDSERVE_" + name.upper().replace("-", "_"), default)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -117,9 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--sizes-mb", default=_env("sizes-mb", "1,16,64"), help="payload sizes in MiB")
-    p.add_argument("--repeats", type=int, default=int(_env("repeats", "5")))
-    p.add_argument("--transports", default=_env("transports", ",".join(available_kinds())))
+    p.add_argument("--sizes-mb", default=flag_default("sizes-mb", "1,16,64"), help="payload sizes in MiB")
+    p.add_argument("--repeats", type=int, default=flag_default("repeats", 5))
+    p.add_argument("--transports", default=flag_default("transports", ",".join(available_kinds())))
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes_mb.split(",") if s]
     kinds = [k for k in args.transports.split(",") if k]

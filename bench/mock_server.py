@@ -20,7 +20,6 @@ import contextlib
 import itertools
 import json
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -35,6 +34,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from pdserve.config.envs import flag_default
 
 log = logging.getLogger(__name__)
 
@@ -215,34 +216,30 @@ def _wait_ready(proc: subprocess.Popen, base_url: str, err_file, ready_timeout_s
         time.sleep(0.05)
 
 
-def _env(name: str, default):
-    value = os.environ.get(f"PDSERVE_{name.upper()}")
-    return default if value is None else type(default)(value)
-
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m pdserve.bench.mock_server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--host", default=_env("host", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=_env("port", 8000))
-    p.add_argument("--model", default=_env("model", _DEFAULT.model))
-    p.add_argument("--ttft-ms", type=float, default=_env("ttft_ms", _DEFAULT.ttft_ms))
-    p.add_argument("--tbt-ms", type=float, default=_env("tbt_ms", _DEFAULT.tbt_ms))
-    p.add_argument("--tokens-per-chunk", type=int, default=_env("tokens_per_chunk", 1))
-    p.add_argument("--max-concurrency", type=int, default=_env("max_concurrency", 0),
+    p.add_argument("--host", default=flag_default("host", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=flag_default("port", 8000))
+    p.add_argument("--model", default=flag_default("model", _DEFAULT.model))
+    p.add_argument("--ttft-ms", type=float, default=flag_default("ttft-ms", _DEFAULT.ttft_ms))
+    p.add_argument("--tbt-ms", type=float, default=flag_default("tbt-ms", _DEFAULT.tbt_ms))
+    p.add_argument("--tokens-per-chunk", type=int, default=flag_default("tokens-per-chunk", 1))
+    p.add_argument("--max-concurrency", type=int, default=flag_default("max-concurrency", 0),
                    help="requests served at once (0: unlimited); the rest queue")
     p.add_argument("--no-chunk-usage", action="store_true",
                    help="never put cumulative usage in chunks (clients count one token per chunk)")
     p.add_argument("--final-usage", action="store_true",
                    help="stream like llama-server: total usage only in the chunk with the finish reason")
-    p.add_argument("--ready-delay-ms", type=float, default=_env("ready_delay_ms", 0.0),
+    p.add_argument("--ready-delay-ms", type=float, default=flag_default("ready-delay-ms", 0.0),
                    help="/ready (or, with --no-ready-route, /health) answers 503 for this long after start")
-    p.add_argument("--warm-delay-ms", type=float, default=_env("warm_delay_ms", 0.0),
+    p.add_argument("--warm-delay-ms", type=float, default=flag_default("warm-delay-ms", 0.0),
                    help="/ready?warm=1 answers 503 for this long after start, as pdserve's router while "
                         "its workers' KV caches fault in")
     p.add_argument("--no-ready-route", action="store_true",
                    help="serve no /ready, as vLLM and llama-server: /health says when the model is loaded")
-    p.add_argument("--api-key", default=_env("api_key", ""), help="require this bearer token")
+    p.add_argument("--api-key", default=flag_default("api-key", ""), help="require this bearer token")
     args = p.parse_args(argv)
     if args.tokens_per_chunk < 1:
         p.error("--tokens-per-chunk must be >= 1")

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from pdserve.config.env import env_default
+from pdserve.config.envs import flag_default
 from pdserve.config.names import COLOCATED_POLICIES
 
 log = logging.getLogger(__name__)
@@ -182,64 +182,64 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
-        default=env_default("model", "default"),
+        default=flag_default("model", "default"),
         help="'default' (SmolLM2-135M), a .gguf or a HF directory",
     )
     p.add_argument(
         "--rate",
         type=float,
-        default=env_default("rate", d.rate),
+        default=flag_default("rate", d.rate),
         help="arrivals per second (fixed spacing)",
     )
-    p.add_argument("--num-requests", type=int, default=env_default("num-requests", d.num_requests))
+    p.add_argument("--num-requests", type=int, default=flag_default("num-requests", d.num_requests))
     p.add_argument(
         "--long-every",
         type=int,
-        default=env_default("long-every", d.long_every),
+        default=flag_default("long-every", d.long_every),
         help="every N-th request has a long prompt (0: none)",
     )
     p.add_argument(
         "--short-len",
         type=int,
-        default=env_default("short-len", d.short_len),
+        default=flag_default("short-len", d.short_len),
         help="short prompt tokens",
     )
     p.add_argument(
         "--long-len",
         type=int,
-        default=env_default("long-len", d.long_len),
+        default=flag_default("long-len", d.long_len),
         help="long prompt tokens",
     )
     p.add_argument(
         "--output-len",
         type=int,
-        default=env_default("output-len", d.output_len),
+        default=flag_default("output-len", d.output_len),
         help="output tokens per request",
     )
     p.add_argument(
         "--policies",
         type=_policies,
-        default=_policies(env_default("policies", ",".join(COLOCATED_POLICIES))),
+        default=_policies(flag_default("policies", ",".join(COLOCATED_POLICIES))),
     )
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=env_default("max-num-batched-tokens", 128),
+        default=flag_default("max-num-batched-tokens", 128),
         help="step token budget of the chunked policy (the others take whole prompts)",
     )
-    p.add_argument("--block-size", type=int, default=env_default("block-size", 16))
+    p.add_argument("--block-size", type=int, default=flag_default("block-size", 16))
     # One thread by default: with two OpenMP threads on a 2-core machine that anything else
     # shares, a step can take many times longer (spinning threads wait on a descheduled peer).
     p.add_argument(
         "--threads",
         type=int,
-        default=env_default("threads", 1),
+        default=flag_default("threads", 1),
         help="torch CPU threads (0: torch's default)",
     )
-    p.add_argument("--seed", type=int, default=env_default("seed", d.seed))
+    p.add_argument("--seed", type=int, default=flag_default("seed", d.seed))
     p.add_argument(
         "--json",
-        default=env_default("json", None),
+        default=flag_default("json", None),
         metavar="PATH",
         help="also write the results here",
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.config import envs
 from pdserve.config.ports import free_port
 
 
@@ -33,7 +34,7 @@ class UpProcess:
                     "--ready-timeout", "300", *args]
         if kv_cache_gb is not None:
             self.cmd += ["--kv-cache-memory-gb", str(kv_cache_gb)]
-        self.env = dict(os.environ, **(env or {}))
+        self.env = envs.child_environ(env)
         self.proc: subprocess.Popen | None = None
         self._model: str | None = None
 

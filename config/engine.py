@@ -12,8 +12,15 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.config.env import env_default
-from pdserve.config.names import ATTENTION_BACKENDS, CHUNKED, DTYPES, POLICIES
+from pdserve.config.envs import flag_default, twin_of
+from pdserve.config.names import (
+    ATTENTION_BACKENDS,
+    CHUNKED,
+    CPU_KERNELS,
+    CPU_LINEARS,
+    DTYPES,
+    POLICIES,
+)
 
 
 class ConfigError(ValueError):
@@ -37,12 +44,23 @@ class EngineConfig:
     waiting_served_ratio: float = 0.0
     enable_prefix_caching: bool = True
     attention_backend: str | None = None
+    # How the CPU runs the model (engine/runner.py, kernels/cpu_ops.py; docs/cpu_kernels.md).
+    cpu_kernels: str = "auto"
+    require_cpu_kernels: bool = False  # no fallback to the PyTorch reference when they cannot load
+    kernel_cache: str | None = None  # where a local build of the kernels goes (~/.cache/pdserve/kernels)
+    cpu_linear: str = "auto"
+    fused_ops: bool = True  # RMSNorm, SiLU-mul, rotary (and on the CPU whole layers) compiled
+    kv_prefetch: bool = True  # the next layer's KV read ahead under the MLP (tile kernels only)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.policy not in POLICIES:
             raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise ConfigError(f"--cpu-kernels must be one of {', '.join(CPU_KERNELS)}, got {self.cpu_kernels!r}")
+        if self.cpu_linear not in CPU_LINEARS:
+            raise ConfigError(f"--cpu-linear must be one of {', '.join(CPU_LINEARS)}, got {self.cpu_linear!r}")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ConfigError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -68,6 +86,16 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("max_num_seqs", "--max-num-seqs", int, "running requests per step"),
     ("max_num_batched_tokens", "--max-num-batched-tokens", int, "token budget of one step"),
     ("attention_backend", "--attention-backend", str, "cpu (compiled C++), reference (PyTorch) or triton (default: triton on CUDA, cpu elsewhere)"),
+    ("cpu_kernels", "--cpu-kernels", str, "which build of the compiled CPU kernels: auto (the best prebuilt variant this "
+                                          "CPU runs, else built here), a variant, native (built here) or off"),
+    ("require_cpu_kernels", "--require-cpu-kernels", bool, "fail instead of running the PyTorch reference where "
+                                                          "the compiled CPU kernels cannot load"),
+    ("kernel_cache", "--kernel-cache", str, "folder for kernels built here (default ~/.cache/pdserve/kernels)"),
+    ("cpu_linear", "--cpu-linear", str, "the CPU projections: auto, tiles (bfloat16 on AMX / AVX512-BF16), pdserve "
+                                        "(compiled panels), onednn or mkl; a choice the CPU cannot run falls back"),
+    ("fused_ops", "--fused-ops", bool, "RMSNorm, SiLU-mul and rotary compiled (and on the CPU each step's layers in "
+                                       "one call); --no-fused-ops runs them in eager PyTorch"),
+    ("kv_prefetch", "--kv-prefetch", bool, "read the next layer's KV ahead under the MLP (the CPU tile kernels)"),
 )
 _DEFAULTS = EngineConfig()
 
@@ -77,17 +105,23 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     for field, flag, kind, help_ in _FLAGS:
         default = getattr(_DEFAULTS, field)
-        choices = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS}.get(field)
+        help_ = f"{help_} [env {twin_of(flag)}]"
+        if kind is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_,
+                           default=flag_default(flag[2:], default))
+            continue
+        choices = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "cpu_kernels": CPU_KERNELS,
+                   "cpu_linear": CPU_LINEARS}.get(field)
         g.add_argument(flag, type=kind, choices=choices, help=help_,
-                       default=env_default(flag[2:], default if default is not None else kind()) or default)
-    g.add_argument("--no-prefix-caching", action="store_true", default=env_default("no-prefix-caching", False))
-    g.add_argument("--threads", type=int, default=env_default("threads", 0), help="torch CPU threads (0: torch's default)")
+                       default=flag_default(flag[2:], default if default is not None else kind()) or default)
+    g.add_argument("--no-prefix-caching", action="store_true", default=flag_default("no-prefix-caching", False))
+    g.add_argument("--threads", type=int, default=flag_default("threads", 0), help="torch CPU threads (0: torch's default)")
 
 
 def add_policy_arguments(p: argparse.ArgumentParser, choices: tuple[str, ...]) -> None:
-    p.add_argument("--policy", default=env_default("policy", CHUNKED), choices=list(choices),
+    p.add_argument("--policy", default=flag_default("policy", CHUNKED), choices=list(choices),
                    help="batching policy: how a step's token budget is spent")
-    p.add_argument("--waiting-served-ratio", type=float, default=env_default("waiting-served-ratio", 0.0),
+    p.add_argument("--waiting-served-ratio", type=float, default=flag_default("waiting-served-ratio", 0.0),
                    help="TGI's ratio: prompts interrupt decoding only when waiting >= ratio * running")
 
 
@@ -96,6 +130,7 @@ def engine_config(args: argparse.Namespace, policy: str | None = None) -> Engine
     values = {field: getattr(args, field) for field, *_ in _FLAGS}
     values["max_model_len"] = values["max_model_len"] or None  # 0 on the command line: the model's
     values["attention_backend"] = values["attention_backend"] or None
+    values["kernel_cache"] = values["kernel_cache"] or None
     return EngineConfig(
         **values,
         policy=policy or str(getattr(args, "policy", CHUNKED)),
@@ -109,7 +144,9 @@ def engine_argv(config: EngineConfig, threads: int = 0) -> list[str]:
     out: list[str] = []
     for field, flag, *_ in _FLAGS:
         value = getattr(config, field)
-        if value is not None:
+        if isinstance(value, bool):
+            out.append(flag if value else f"--no-{flag[2:]}")
+        elif value is not None:
             out += [flag, str(value)]
     if not config.enable_prefix_caching:
         out.append("--no-prefix-caching")

@@ -6,6 +6,11 @@ KV_TRANSPORTS = ("tcp", "shm", "cuda_ipc")
 AUTO_DTYPE = "auto"  # bfloat16 where the device computes it natively, else float32 (model/config.py)
 DTYPES = (AUTO_DTYPE, "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("cpu", "reference", "triton")
+# The CPU projections (engine/runner.py picks under "auto"); "amx" is the old name of "tiles".
+CPU_LINEARS = ("auto", "tiles", "amx", "pdserve", "onednn", "mkl")
+# The compiled CPU kernels (kernels/cpu_ops.py): auto picks the best prebuilt variant this CPU
+# runs, else builds them here (native); off runs the PyTorch reference.
+CPU_KERNELS = ("auto", "avx2", "avx512", "avx512-bf16", "amx", "native", "off")
 
 # Batching policies of an engine that takes prompts (engine/policies.py implements each).
 STATIC, PREFILL_FIRST, MIXED, CHUNKED = "static", "prefill-first", "mixed", "chunked"

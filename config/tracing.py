@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from pdserve.config.engine import ConfigError
-from pdserve.config.env import add_env_argument
+from pdserve.config.envs import add_env_argument
 
 OTLP_TRACES_PATH = "/v1/traces"
 

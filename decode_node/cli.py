@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.config.engine import add_policy_arguments
-from pdserve.config.env import env_default
+from pdserve.config.envs import flag_default
 from pdserve.config.names import COLOCATED_POLICIES
 from pdserve.config.worker import add_worker_arguments
 from pdserve.worker.serve import serve
@@ -14,7 +14,7 @@ def register(sub) -> None:
                        description="Decode worker: continuous batching over requests whose KV arrives from "
                                    "prefill workers. With --mode colocated it takes raw prompts and prefills "
                                    "them itself under --policy (the baseline).")
-    p.add_argument("--mode", default=env_default("mode", "disaggregated"), choices=["disaggregated", "colocated"])
+    p.add_argument("--mode", default=flag_default("mode", "disaggregated"), choices=["disaggregated", "colocated"])
     add_policy_arguments(p, COLOCATED_POLICIES)
     add_worker_arguments(p, kv_port=5601, health_port=8102, transports="tcp")
     p.set_defaults(func=_run)

@@ -9,7 +9,6 @@ Only the rows of sequences that finish their known tokens this step reach the LM
 from __future__ import annotations
 
 import logging
-import os
 from array import array
 
 import torch
@@ -26,13 +25,10 @@ from pdserve.kernels.cpu_linear import tile_kernel, tiles_run
 from pdserve.kernels.huge_pages import fault_in_background, zeros_on_huge_pages
 from pdserve.model.attention_metadata import AttentionMetadata
 from pdserve.model.config import ModelConfig, cpu_has_avx512, resolve_dtype, torch_dtype
-from pdserve.model.llama import CPU_LINEAR_ENV, LlamaForCausalLM, onednn_linear_available
+from pdserve.model.llama import LlamaForCausalLM, onednn_linear_available
 
 log = logging.getLogger(__name__)
 
-CPU_LINEAR_CHOICES = ("auto", "tiles", "amx", "pdserve", "onednn", "mkl")  # "amx": the old name of "tiles"
-CPU_FUSED_ENV = "PDSERVE_CPU_FUSED"  # 0: eager PyTorch RMSNorm, SiLU-mul, rotary and decoder layers
-GPU_FUSED_ENV = "PDSERVE_GPU_FUSED"  # 0: eager PyTorch RMSNorm, SiLU-mul and rotary on CUDA
 
 
 def _tensor(values: array, dtype: torch.dtype) -> torch.Tensor:
@@ -51,7 +47,9 @@ class ModelRunner:
             keep_step_memory()
         self.dtype = torch_dtype(resolve_dtype(config.dtype, config.device))
         self.block_size = config.block_size
-        self.backend = get_backend(self.device, config.attention_backend)
+        self.config = config
+        self.backend = get_backend(self.device, config.attention_backend, cpu_kernels=config.cpu_kernels,
+                                   require_cpu_kernels=config.require_cpu_kernels, kernel_cache=config.kernel_cache)
         self.model = LlamaForCausalLM(model_config, self.backend, max_positions=max_model_len)
         self.model.load_weights(state_dict)
         self.model.to(device=self.device, dtype=self.dtype).eval()
@@ -68,7 +66,7 @@ class ModelRunner:
         # Steps run every layer in one compiled call where every piece of it is compiled: decode-only
         # steps, and steps with prompts where the backend's prefill attention is compiled too.
         if self.fused_elementwise and self.cpu_linear in ("tiles", "pdserve", "onednn"):
-            self.model.use_compiled_layers(self.compiled_ops)
+            self.model.use_compiled_layers(self.compiled_ops, kv_prefetch=config.kv_prefetch)
         m = model_config
         shape = (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         self.kv_cache = (
@@ -82,10 +80,12 @@ class ModelRunner:
     def _fused_elementwise_ops(self) -> object | None:
         """What runs RMSNorm, SiLU-mul and rotary: the compiled CPU ops, which ship with the
         compiled attention (kernels/csrc); on CUDA one Triton launch each instead of eager's
-        several; None where eager PyTorch runs them (or the environment asks for it)."""
-        if self.compiled_ops is not None and os.environ.get(CPU_FUSED_ENV, "1") != "0":
+        several; None where eager PyTorch runs them (or --no-fused-ops asks for it)."""
+        if not self.config.fused_ops:
+            return None
+        if self.compiled_ops is not None:
             return self.compiled_ops
-        if self.device.type == "cuda" and os.environ.get(GPU_FUSED_ENV, "1") != "0":
+        if self.device.type == "cuda":
             from pdserve.kernels.triton_elementwise import TritonElementwise
 
             return TritonElementwise()
@@ -103,17 +103,15 @@ class ModelRunner:
         return self.kv_fault_in is None or not self.kv_fault_in.is_alive()
 
     def _pack_cpu_linears(self) -> str:
-        """Pick and pack the CPU matmul (PDSERVE_CPU_LINEAR): the bfloat16 tile kernel, the compiled
+        """Pick and pack the CPU matmul (--cpu-linear): the bfloat16 tile kernel, the compiled
         panel kernel, oneDNN's packed matmul, or MKL on the plain weight. `auto` takes the tiles for
         bfloat16 where they run natively, on AMX or with AVX512-BF16 (they read decode steps'
         weights faster than oneDNN); else oneDNN on CPUs with AVX-512 (its kernels use 512-bit
         vectors, where our panel kernel is 8 wide) and for bfloat16 wherever oneDNN computes it;
         the compiled panel kernel elsewhere (AVX2) when it built. A choice this machine cannot run
-        falls back in that order. `PDSERVE_CPU_LINEAR=<choice> python -m
-        pdserve.bench.engine_overhead` measures each against the default (docs/cpu_kernels.md)."""
-        choice = os.environ.get(CPU_LINEAR_ENV, "auto")
-        if choice not in CPU_LINEAR_CHOICES:
-            raise ValueError(f"{CPU_LINEAR_ENV}={choice!r}: expected one of {', '.join(CPU_LINEAR_CHOICES)}")
+        falls back in that order. `python -m pdserve.bench.engine_overhead
+        --cpu-linear <choice>` measures each against the default (docs/cpu_kernels.md)."""
+        choice = self.config.cpu_linear
         ops = self.compiled_ops
         tiles = self.dtype == torch.bfloat16 and tiles_run(ops) and self.model.tiles_fit()
         onednn = onednn_linear_available(self.dtype)
@@ -125,8 +123,8 @@ class ModelRunner:
                 self.model.pack_cpu_linears("tiles+onednn" if onednn else "tiles", ops)
                 log.info("CPU linears: bfloat16 tiles on %s", tile_kernel(ops))
                 return "tiles"
-            log.warning("%s=%s: this CPU, dtype or model cannot run the tile kernel natively (%s); falling back",
-                        CPU_LINEAR_ENV, choice, tile_kernel(ops))
+            log.warning("--cpu-linear=%s: this CPU, dtype or model cannot run the tile kernel natively (%s); "
+                        "falling back", choice, tile_kernel(ops))
             choice = "pdserve"
         if choice == "pdserve" and ops is not None:
             self.model.pack_cpu_linears("panels", ops)

@@ -9,15 +9,19 @@ Ctrl-C or SIGTERM drains the workers, then stops the router.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 
 import httpx
 
+from pdserve.config import envs
 from pdserve.config.engine import (
     ConfigError,
     add_engine_arguments,
@@ -25,9 +29,15 @@ from pdserve.config.engine import (
     engine_argv,
     engine_config,
 )
-from pdserve.config.env import env_default
+from pdserve.config.envs import flag_default
 from pdserve.config.names import COLOCATED_POLICIES, KV_TRANSPORTS
-from pdserve.config.ports import free_port
+from pdserve.config.router import (
+    API_KEY_ENV,
+    add_router_arguments,
+    router_argv,
+    router_config,
+    router_environ,
+)
 from pdserve.config.tracing import add_tracing_arguments, tracing_argv, tracing_options
 from pdserve.config.worker import SECRET_ENV, WorkerOptions, worker_argv
 from pdserve.protocol.auth import new_secret
@@ -35,43 +45,51 @@ from pdserve.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
+# RouterConfig fields that `pdserve up` sets from its own flags (or, for the engine's, shares).
+ROUTER_FIELDS_SET_BY_UP = frozenset({"host", "port", "control_address", "model", "api_key", "kv_transport",
+                                     "drain_timeout", "expect_workers", "max_model_len"})
+
 def register(sub) -> None:
     p = sub.add_parser("up", help="router + prefill + decode on this machine",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--host", default=env_default("host", "127.0.0.1"), help="address the router's HTTP API binds")
-    p.add_argument("--port", type=int, default=env_default("port", 8000), help="the router's HTTP port")
-    p.add_argument("--colocated", action="store_true", default=env_default("colocated", False),
+    p.add_argument("--host", default=flag_default("host", "127.0.0.1"), help="address the router's HTTP API binds")
+    p.add_argument("--port", type=int, default=flag_default("port", 8000), help="the router's HTTP port")
+    p.add_argument("--colocated", action="store_true", default=flag_default("colocated", False),
                    help="run colocated workers (prefill and decode in one engine) instead of disaggregated ones")
     add_policy_arguments(p, COLOCATED_POLICIES)
-    p.add_argument("--num-prefill", type=int, default=env_default("num-prefill", 1))
-    p.add_argument("--num-decode", type=int, default=env_default("num-decode", 1),
+    p.add_argument("--num-prefill", type=int, default=flag_default("num-prefill", 1))
+    p.add_argument("--num-decode", type=int, default=flag_default("num-decode", 1),
                    help="decode workers (colocated workers with --colocated)")
-    p.add_argument("--kv-transport", default=env_default("kv-transport", "shm"), choices=KV_TRANSPORTS)
+    p.add_argument("--kv-transport", default=flag_default("kv-transport", "shm"), choices=KV_TRANSPORTS)
     p.add_argument("--no-pin", action="store_true",
                    help="do not pin processes to cores (by default decode workers get cores of their own; "
                         "prefill workers and the router share the rest)")
-    p.add_argument("--api-key", default=env_default("api-key", None), help="require this bearer token")
-    p.add_argument("--ready-timeout", type=float, default=env_default("ready-timeout", 600.0))
-    p.add_argument("--restart-backoff", type=float, default=env_default("restart-backoff", 1.0),
+    p.add_argument("--api-key", default=flag_default("api-key", None),
+                   help="require this bearer token (prefer PDSERVE_API_KEY: a command line is visible to every "
+                        "local user; the router gets it in its environment)")
+    p.add_argument("--ready-timeout", type=float, default=flag_default("ready-timeout", 600.0))
+    p.add_argument("--restart-backoff", type=float, default=flag_default("restart-backoff", 1.0),
                    help="seconds before a dead child is started again (doubles while it keeps dying)")
-    p.add_argument("--drain-timeout", type=float, default=env_default("drain-timeout", 20.0),
+    p.add_argument("--drain-timeout", type=float, default=flag_default("drain-timeout", 20.0),
                    help="seconds a stopping worker (or the router) finishes its requests; the router moves what a "
                         "worker leaves unfinished to another")
     add_tracing_arguments(p)  # each child gets the same; a trace file of its own (config/tracing.py)
     add_engine_arguments(p)
+    # The router's other settings, passed on as flags (--model and --max-model-len are the engine's).
+    add_router_arguments(p, skip=ROUTER_FIELDS_SET_BY_UP)
     p.set_defaults(func=run)
 
 
 def plan(args) -> list[tuple[str, list[str], int | None]]:
     """(name, argv, cpu core or None) of every child process."""
     base = [sys.executable, "-m", "pdserve", "--log-level", logging.getLevelName(logging.getLogger().level)]
-    control = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    control = private_control_address()
     workers = args.num_decode + (0 if args.colocated else args.num_prefill)
-    router = [*base, "router", "--host", args.host, "--port", str(args.port), "--control-address", control,
-              "--model", args.model, "--kv-transport", "auto", "--drain-timeout", str(args.drain_timeout),
-              "--expect-workers", str(workers)]
-    if args.api_key:
-        router += ["--api-key", args.api_key]
+    router_settings = router_config(args, host=args.host, port=args.port, control_address=control,
+                                    model=args.model, api_key=args.api_key, kv_transport="auto",
+                                    drain_timeout=args.drain_timeout, expect_workers=workers,
+                                    max_model_len=args.max_model_len)
+    router = [*base, "router", *router_argv(router_settings)]
     traces = tracing_options(args)
     router += tracing_argv(traces, "router")
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
@@ -109,6 +127,15 @@ def plan(args) -> list[tuple[str, list[str], int | None]]:
     return children
 
 
+def private_control_address() -> str:
+    """Where the router's control channel listens: a socket file in a new directory that only this
+    user may write to (mkdtemp: mode 0700), removed at exit. A TCP port picked here and bound by the
+    router seconds later could be taken meanwhile by another local user; this path cannot."""
+    directory = tempfile.mkdtemp(prefix="pdserve-up-")
+    atexit.register(shutil.rmtree, directory, True)
+    return f"ipc://{directory}/control"
+
+
 def run(args) -> int:
     try:
         children = plan(args)
@@ -123,10 +150,10 @@ def run(args) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    # A fresh secret authenticates the children to each other; it goes through the environment,
-    # not argv, so `ps` does not show it.
-    env = dict(os.environ, **{SECRET_ENV: new_secret()})
-    env.pop("PDSERVE_SECRET_FILE", None)
+    # A fresh secret authenticates the children to each other; it and the API key go through the
+    # environment, not argv, so `ps` does not show them.
+    env = envs.child_environ({SECRET_ENV: new_secret(), **router_environ(router_config(args))},
+                             drop=(envs.twin_of("secret-file"), API_KEY_ENV))
     supervisor = Supervisor(children, env, min_backoff=args.restart_backoff).start()
     url = f"http://{args.host}:{args.port}"
     ready = False

@@ -27,6 +27,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from pdserve.config.log_limits import RateLimitedLog
+from pdserve.config.router import RouterConfig
 from pdserve.protocol.block_hash import hash_blocks
 from pdserve.router.chat_page import ChatPage
 from pdserve.router.errors import APIError, bad_request
@@ -44,7 +45,7 @@ from pdserve.router.registry import Hasher
 from pdserve.router.render import ChatRenderer, CompletionRenderer, Renderer, make_usage
 from pdserve.router.requests import RequestState
 from pdserve.router.served_by import route_comment, route_headers
-from pdserve.router.service import RouterConfig, RouterService
+from pdserve.router.service import RouterService
 from pdserve.router.tracing import request_trace
 from pdserve.text.loader import default_detokenizer_factory
 
@@ -177,9 +178,12 @@ async def completions(request: Request) -> Response | SSEResponse:
     return await _generate(request, CompletionRequest, "cmpl-", CompletionRenderer)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) more than `limit` bytes, declared or streamed."""
+async def read_body(request: Request, limit: int, hold: Callable[[int], None]) -> bytes:
+    """The request body, refusing (413) more than `limit` bytes, declared or streamed. `hold`
+    counts the bytes against the router-wide body budget (or refuses): a declared length at
+    once, before anything is read, a chunked body chunk by chunk."""
     declared = request.headers.get("content-length")
+    size = None
     if declared is not None:
         try:
             size = int(declared)
@@ -191,6 +195,7 @@ async def read_body(request: Request, limit: int) -> bytes:
                 f"request body of {size} bytes exceeds the limit of {limit}",
                 code="body_too_large",
             )
+        hold(size)
     chunks, total = [], 0
     async for chunk in request.stream():
         total += len(chunk)
@@ -198,6 +203,8 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise APIError(
                 413, f"request body exceeds the limit of {limit} bytes", code="body_too_large"
             )
+        if size is None:
+            hold(len(chunk))
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -214,7 +221,7 @@ async def _generate(
     try:
         svc.check_auth(request.headers.get("authorization"))
         slot = svc.admit()
-        body = await read_body(request, svc.config.max_body_bytes)
+        body = await read_body(request, svc.config.max_body_bytes, slot.hold_body)
         req = parse_request(body, kind)
         svc.check_model(req.model)
         structured = await svc.structured_output(req)

@@ -8,7 +8,7 @@ SIGTERM: readiness turns 503 and no request is admitted, in-flight ones may fini
 from __future__ import annotations
 
 import argparse
-import functools
+import dataclasses
 import logging
 import os
 import socket
@@ -16,70 +16,21 @@ import sys
 from typing import Any
 
 from pdserve.config.engine import ConfigError
-from pdserve.config.env import add_env_argument, env_default
+from pdserve.config.envs import flag_default
+from pdserve.config.router import add_router_arguments, router_config
 from pdserve.config.tracing import add_tracing_arguments, tracing_options
 from pdserve.config.worker import add_secret_arguments
-from pdserve.router.registry import KV_TRANSPORT_CHOICES
 from pdserve.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("router")
-    flag = functools.partial(add_env_argument, g)
-    flag("--host", "127.0.0.1", "HTTP address to listen on")
-    flag("--port", 8000, "HTTP port")
-    flag("--control-address", "tcp://127.0.0.1:5550",
-         "zmq address the workers' control connections reach (the router binds it)")
-    flag("--model", "default",
-         "tokenizer source: 'default', a .gguf file or a Hugging Face directory (no weights are read)")
-    flag("--served-model-name", None, "the model name clients send (default: the model's name)")
-    flag("--api-key", None, "require `Authorization: Bearer <key>` on /v1/* (env PDSERVE_API_KEY)")
-    flag("--max-inflight", 1024, "HTTP requests in flight before answering 429")
-    flag("--max-body-bytes", 4 * 1024 * 1024, "largest request body accepted (413 above)")
-    g.add_argument("--max-model-len", type=int, default=env_default("max-model-len", 0) or None,
-                   help="context length cap (default: the smallest max_model_len the workers register)")
-    flag("--heartbeat-timeout", 3.0, "seconds without a heartbeat before a worker is out of rotation")
-    flag("--kv-transport", "auto", "KV transport between prefill and decode: auto picks shm / cuda_ipc on one host",
-         choices=KV_TRANSPORT_CHOICES)
-    flag("--request-timeout", 60.0, "seconds without any token before a request fails")
-    flag("--migration-limit", 3,
-         "times one request may be re-dispatched (prompt + tokens so far) after its worker is lost, refused it "
-         "or failed its KV hand-off; 0: fail it")
-    flag("--prefill-fallback", True,
-         "with no prefill worker left, a decode worker prefills a request itself (conditional disaggregation)",
-         action=argparse.BooleanOptionalAction)
-    flag("--expect-workers", 0,
-         "/ready answers 503 until this many distinct workers have registered (`pdserve up` passes the "
-         "number it starts; 0: ready as soon as any worker can serve)")
-    flag("--drain-timeout", 30.0, "on SIGTERM, how long in-flight requests may still run")
-    flag("--grammar-timeout", 5.0,
-         "seconds a structured-output constraint or tool schema may take to compile (400 after)")
-    add_secret_arguments(g)  # --secret-file / --insecure: the control plane's authentication
+    """`pdserve router`'s flags: the router's and HTTP edge's (config/router.py), the secret, the log level."""
+    add_router_arguments(p)
+    add_secret_arguments(p.add_argument_group("internal planes"))  # --secret-file / --insecure
     # SUPPRESS: under `pdserve router` the top-level --log-level keeps its value.
-    g.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR")
-
-
-def add_edge_arguments(p: argparse.ArgumentParser) -> None:
-    """The HTTP edge's limits (router/http_server.py; docs/http_edge.md)."""
-    flag = functools.partial(add_env_argument, p.add_argument_group("HTTP edge"))
-    flag("--header-timeout", 10.0, "seconds a client has to send its request line and headers (408 after)")
-    flag("--body-timeout", 30.0, "seconds a client has to send its whole body once the headers are in (408 after)")
-    flag("--max-connections", 2048, "open HTTP connections; one more is answered 503 and closed")
-    flag("--max-header-bytes", 16 * 1024, "largest request line + headers accepted (431 above)")
-    flag("--tokenize-threads", 1, "threads that template and tokenize big prompts off the event loop")
-
-
-def edge_limits_from_args(args: argparse.Namespace):
-    from pdserve.router.http_server import EdgeLimits
-
-    return EdgeLimits(
-        header_timeout=args.header_timeout,
-        body_timeout=args.body_timeout,
-        max_connections=args.max_connections,
-        max_header_bytes=args.max_header_bytes,
-    )
+    p.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR")
 
 
 def register(sub: Any) -> None:
@@ -91,31 +42,8 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(p)
-    add_edge_arguments(p)
     add_tracing_arguments(p)
     p.set_defaults(func=run)
-
-
-def config_from_args(args: argparse.Namespace, model_name: str):
-    from pdserve.router.service import RouterConfig
-
-    return RouterConfig(
-        control_address=args.control_address,
-        served_model_name=args.served_model_name or model_name,
-        api_key=args.api_key or None,
-        max_inflight=args.max_inflight,
-        max_body_bytes=args.max_body_bytes,
-        heartbeat_timeout=args.heartbeat_timeout,
-        kv_transport=args.kv_transport,
-        request_timeout=args.request_timeout,
-        max_model_len=args.max_model_len,
-        drain_timeout=args.drain_timeout,
-        tokenize_threads=getattr(args, "tokenize_threads", 1),
-        migration_limit=args.migration_limit,
-        prefill_fallback=args.prefill_fallback,
-        grammar_timeout=args.grammar_timeout,
-        expect_workers=args.expect_workers,
-    )
 
 
 def control_auth(args: argparse.Namespace):
@@ -131,10 +59,10 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pdserve.router.app import create_app
-    from pdserve.router.http_server import server_config
+    from pdserve.router.http_server import EdgeLimits, server_config
     from pdserve.text.loader import load_tokenizer
 
-    level = getattr(args, "log_level", None) or env_default("log-level", "INFO")
+    level = getattr(args, "log_level", None) or flag_default("log-level", "INFO")
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -142,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         auth = control_auth(args)
         traces = tracing_options(args)
+        config = router_config(args)  # refuses a non-loopback --host without an API key, before any work
     except ConfigError as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
@@ -150,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:  # ModelLoadError says what to do; anything else is still fatal
         log.error("cannot load the tokenizer for --model %r: %s", args.model, exc)
         return 2
-    config = config_from_args(args, source.name)
+    config = dataclasses.replace(config, served_model_name=config.served_model_name or source.name)
     try:
         tracing.setup("pdserve-router", f"router-{socket.gethostname()}-{os.getpid()}",
                       otlp_endpoint=traces.traces_url, trace_file=traces.trace_file)
@@ -160,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(config, source.tokenizer)
     service = app.state.service
     service.control.configure(auth=auth, model_name=source.name)
+    if config.allow_unauthenticated and not config.api_key:
+        log.warning("--allow-unauthenticated: /v1/* on %s answers without an API key; authentication must be "
+                    "done in front of the router", config.host)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -171,9 +103,9 @@ def run(args: argparse.Namespace) -> int:
     server = _Server(
         server_config(
             app,
-            edge_limits_from_args(args),
-            host=args.host,
-            port=args.port,
+            EdgeLimits.of(config),
+            host=config.host,
+            port=config.port,
             log_level=level.lower(),
             timeout_graceful_shutdown=max(1, int(config.drain_timeout)),
         )
@@ -181,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
     log.info(
         "router for model %r on http://%s:%d, control %s",
         config.served_model_name,
-        args.host,
-        args.port,
+        config.host,
+        config.port,
         config.control_address,
     )
     try:

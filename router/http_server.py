@@ -29,9 +29,11 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pdserve.config.log_limits import RateLimitedLog
+from pdserve.config.router import RouterConfig
 
 log = logging.getLogger(__name__)
 _log_refused = RateLimitedLog(log, logging.INFO, per_seconds=10.0)
+_DEFAULTS = RouterConfig()
 _uvicorn_warn = RateLimitedLog(logging.getLogger("uvicorn.error"), logging.WARNING, 10.0)
 
 _CODES = {
@@ -47,10 +49,15 @@ _CODES = {
 class EdgeLimits:
     """What one connection may cost. Seconds for the timeouts; bytes for the header block."""
 
-    header_timeout: float = 10.0
-    body_timeout: float = 30.0
-    max_connections: int = 2048
-    max_header_bytes: int = 16 * 1024
+    header_timeout: float = _DEFAULTS.header_timeout
+    body_timeout: float = _DEFAULTS.body_timeout
+    max_connections: int = _DEFAULTS.max_connections
+    max_header_bytes: int = _DEFAULTS.max_header_bytes
+
+    @classmethod
+    def of(cls, config: RouterConfig) -> EdgeLimits:
+        return cls(header_timeout=config.header_timeout, body_timeout=config.body_timeout,
+                   max_connections=config.max_connections, max_header_bytes=config.max_header_bytes)
 
 
 def error_response(status: int, message: str, code: str | None = None) -> bytes:

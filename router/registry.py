@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from pdserve.config.names import KV_TRANSPORTS
+from pdserve.config.router import KV_TRANSPORT_CHOICES
 from pdserve.protocol.messages import Heartbeat, ModelFingerprint, Register
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,6 @@ MAX_PREFIX_ENTRIES = 100_000
 
 
 # "auto": the zero-copy kind both ends offer when they share a host (CUDA IPC first), else tcp.
-KV_TRANSPORT_CHOICES = ("auto", *KV_TRANSPORTS)
 SAME_HOST_PREFERENCE = ("cuda_ipc", "shm")
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
+from pdserve.config.router import RouterConfig
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.block_hash import hash_blocks
 from pdserve.protocol.messages import (
@@ -32,7 +33,6 @@ from pdserve.protocol.messages import (
 )
 from pdserve.router.app import create_app
 from pdserve.router.http_server import EdgeLimits, server_config
-from pdserve.router.service import RouterConfig
 from pdserve.worker.router_link import Fence, WorkerLink
 
 # --- a toy tokenizer -------------------------------------------------------------------------
@@ -78,6 +78,9 @@ class FakeTokenizer:
             raise ValueError("the template refuses this conversation")
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs))
 
 
 class FakeDetokenizer:

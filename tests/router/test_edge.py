@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from pdserve.config.router import router_config
 from pdserve.router.http_server import EdgeLimits
 from tests.helpers.fake_worker import RouterHarness
 
@@ -197,6 +198,5 @@ def test_edge_flags_default_from_the_environment(monkeypatch):
     monkeypatch.setenv("PDSERVE_MAX_CONNECTIONS", "7")
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
-    cli.add_edge_arguments(p)
-    limits = cli.edge_limits_from_args(p.parse_args(["--max-header-bytes", "4096"]))
+    limits = EdgeLimits.of(router_config(p.parse_args(["--max-header-bytes", "4096"])))
     assert limits == EdgeLimits(header_timeout=3.5, body_timeout=30.0, max_connections=7, max_header_bytes=4096)

@@ -93,6 +93,10 @@ REFUSED = [
     ("too many choices", P, comp(guided_choice=[str(i) for i in range(MAX_CHOICES + 1)]), "guided_choice"),
     ("grammar unknown rule", P, comp(guided_grammar="start: foo"), "guided_grammar"),
     ("grammar syntax error", P, comp(structured_outputs={"grammar": "start: ((("}), "structured_outputs.grammar"),
+    # The repro: ~30 KB, 3,000 optional properties; it compiled here and then failed (or
+    # stalled) every worker. Refused at the edge by the limit the workers apply too.
+    ("3000 optional properties", C, chat(guided_json={"type": "object", "properties": {f"p{i}": {} for i in range(3000)}}),
+     "guided_json"),
     ("recursive schema with no base case", C, chat(guided_json={"$ref": "#"}), "guided_json"),
 ]
 
@@ -114,9 +118,10 @@ def test_a_bad_constraint_is_a_400_naming_it_and_the_next_request_succeeds(route
 def test_the_compile_time_bound_is_a_router_flag():
     import argparse
 
-    from pdserve.router.cli import add_arguments, config_from_args
+    from pdserve.config.router import router_config
+    from pdserve.router.cli import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    assert config_from_args(p.parse_args([]), "m").grammar_timeout == 5.0
-    assert config_from_args(p.parse_args(["--grammar-timeout", "0.5"]), "m").grammar_timeout == 0.5
+    assert router_config(p.parse_args([])).grammar_timeout == 5.0
+    assert router_config(p.parse_args(["--grammar-timeout", "0.5"])).grammar_timeout == 0.5
