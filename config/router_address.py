@@ -5,6 +5,7 @@
     dns://NAME:PORT                every address NAME resolves to (IPv4 and IPv6), looked up again
                                    every --router-resolve-interval seconds: a Kubernetes headless
                                    Service over the routers' control port
+    ipc:///ABSOLUTE/PATH           a router on this host, by its socket file (`pdserve up`)
 
 Parsing only validates; resolving a dns:// name is the worker's (worker/router_links.py).
 """
@@ -16,20 +17,23 @@ from typing import Literal, NamedTuple
 
 from pdserve.config.engine import ConfigError
 
-Scheme = Literal["tcp", "dns"]
+Scheme = Literal["tcp", "dns", "ipc"]
 
 _FORM = re.compile(r"^(?P<scheme>tcp|dns)://(?:\[(?P<v6>[0-9A-Fa-f:.%\w-]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d+)$")
-_FORMS = "tcp://HOST:PORT (comma-separated for several routers) or dns://NAME:PORT"
+_IPC = re.compile(r"^ipc://(?P<path>/[^\s,]+)$")
+_FORMS = "tcp://HOST:PORT (comma-separated for several routers), dns://NAME:PORT or ipc:///PATH"
 
 
 class RouterAddress(NamedTuple):
     """One entry of --router-address."""
 
     scheme: Scheme
-    host: str  # an IPv6 address without its brackets
-    port: int
+    host: str  # an IPv6 address without its brackets; for ipc the socket file's path
+    port: int  # 0 for ipc
 
     def __str__(self) -> str:
+        if self.scheme == "ipc":
+            return f"ipc://{self.host}"
         return f"{self.scheme}://{_host(self.host)}:{self.port}"
 
 
@@ -47,6 +51,10 @@ def parse_router_addresses(text: str) -> tuple[RouterAddress, ...]:
     out: list[RouterAddress] = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
+            continue
+        if (ipc := _IPC.match(item)) is not None:
+            if (local := RouterAddress("ipc", ipc["path"], 0)) not in out:
+                out.append(local)
             continue
         m = _FORM.match(item)
         if m is None:

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from dataclasses import dataclass, field
 
+from pdserve.config import envs
 from pdserve.config.engine import ConfigError, add_engine_arguments
-from pdserve.config.env import add_env_argument, env_default
+from pdserve.config.envs import add_env_argument, flag_default
 from pdserve.config.names import KV_TRANSPORTS
 from pdserve.config.router_address import parse_router_addresses
 from pdserve.config.tracing import add_tracing_arguments
 
 log = logging.getLogger(__name__)
 
-PLACEHOLDER = b"REPLACE-ME"  # k8s/base's stand-in, refused so that no deployment runs on it
+PLACEHOLDER = b"REPLACE-ME"  # the stand-in older manifests shipped, refused so that no deployment runs on it
 SECRET_ENV = "PDSERVE_SECRET"  # the secret itself (how `pdserve up` hands it to its children)
 NO_SECRET = ("no deployment secret: pass --secret-file PATH (or set PDSERVE_SECRET or PDSERVE_SECRET_FILE), "
              "or --insecure to run the internal planes unauthenticated (docs/security.md)")
@@ -60,7 +60,7 @@ class WorkerOptions:
 def add_worker_arguments(p: argparse.ArgumentParser, kv_port: int, health_port: int, transports: str) -> None:
     """The flags of a worker process, the engine's included."""
     g = p.add_argument_group("worker")
-    g.add_argument("--router-address", default=env_default("router-address", "tcp://127.0.0.1:5550"),
+    g.add_argument("--router-address", default=flag_default("router-address", "tcp://127.0.0.1:5550"),
                    help="the routers' control sockets (ZMQ); the worker registers with every one: "
                         "tcp://HOST:PORT, several comma-separated, or dns://NAME:PORT for every address "
                         "NAME resolves to (IPv4 and IPv6, looked up again every --router-resolve-interval "
@@ -68,20 +68,20 @@ def add_worker_arguments(p: argparse.ArgumentParser, kv_port: int, health_port: 
     add_env_argument(g, "--router-resolve-interval", 5.0,
                      "seconds between lookups of a dns:// --router-address; a router whose address is "
                      "gone for a minute is dropped, with its requests")
-    g.add_argument("--host", default=env_default("host", "127.0.0.1"), help="address every socket of this worker binds")
-    g.add_argument("--advertise-host", default=env_default("advertise-host", None),
+    g.add_argument("--host", default=flag_default("host", "127.0.0.1"), help="address every socket of this worker binds")
+    g.add_argument("--advertise-host", default=flag_default("advertise-host", None),
                    help="address other workers dial to reach this one (default: --host)")
-    g.add_argument("--kv-port", type=int, default=env_default("kv-port", kv_port), help="KV channel port (0: any free)")
-    g.add_argument("--health-port", type=int, default=env_default("health-port", health_port),
+    g.add_argument("--kv-port", type=int, default=flag_default("kv-port", kv_port), help="KV channel port (0: any free)")
+    g.add_argument("--health-port", type=int, default=flag_default("health-port", health_port),
                    help="HTTP port of /health and /ready (0: any free)")
-    g.add_argument("--kv-transport", default=env_default("kv-transport", transports),
+    g.add_argument("--kv-transport", default=flag_default("kv-transport", transports),
                    help=f"comma-separated KV transports this worker offers, preferred first: {', '.join(KV_TRANSPORTS)}")
-    g.add_argument("--host-id", default=env_default("host-id", ""),
+    g.add_argument("--host-id", default=flag_default("host-id", ""),
                    help="workers with the same host id may use shm / CUDA IPC (default: the hostname)")
-    g.add_argument("--worker-id", default=env_default("worker-id", None), help="unique name (default: role-host-pid)")
-    g.add_argument("--drain-timeout", type=float, default=env_default("drain-timeout", 20.0),
+    g.add_argument("--worker-id", default=flag_default("worker-id", None), help="unique name (default: role-host-pid)")
+    g.add_argument("--drain-timeout", type=float, default=flag_default("drain-timeout", 20.0),
                    help="seconds to finish in-flight requests after SIGTERM")
-    g.add_argument("--heartbeat-interval", type=float, default=env_default("heartbeat-interval", 1.0))
+    g.add_argument("--heartbeat-interval", type=float, default=flag_default("heartbeat-interval", 1.0))
     add_secret_arguments(g)
     add_tracing_arguments(p)
     add_engine_arguments(p)
@@ -89,10 +89,10 @@ def add_worker_arguments(p: argparse.ArgumentParser, kv_port: int, health_port: 
 
 def add_secret_arguments(g) -> None:
     """--secret-file and --insecure (the router and every worker take both)."""
-    g.add_argument("--secret-file", default=env_default("secret-file", None),
+    g.add_argument("--secret-file", default=flag_default("secret-file", None),
                    help="file holding the deployment secret that authenticates the control and KV planes "
                         "(or env PDSERVE_SECRET_FILE, or the secret itself in PDSERVE_SECRET)")
-    g.add_argument("--insecure", action="store_true", default=env_default("insecure", False),
+    g.add_argument("--insecure", action="store_true", default=flag_default("insecure", False),
                    help="run the internal planes without authentication (tests, a trusted laptop)")
 
 
@@ -107,12 +107,12 @@ def resolve_secret(secret_file: str | None, insecure: bool) -> bytes | None:
             raise ConfigError(f"--secret-file {secret_file}: {exc.strerror}") from None
         if not secret:
             raise ConfigError(f"--secret-file {secret_file} is empty")
-    elif os.environ.get(SECRET_ENV):
-        secret = os.environ[SECRET_ENV].strip().encode()
+    elif envs.get(SECRET_ENV):
+        secret = str(envs.get(SECRET_ENV)).strip().encode()
     if secret is not None:
         if secret.startswith(PLACEHOLDER):
-            raise ConfigError("the deployment secret is still the placeholder of k8s/base/internal-secret.yaml; "
-                              "replace it with a random one (see that file)")
+            raise ConfigError("the deployment secret is still the placeholder older manifests shipped; "
+                              "replace it with a random one (docs/kubernetes.md, Deploy)")
         if len(secret) < 16:
             raise ConfigError("the deployment secret must be at least 16 bytes (e.g. `openssl rand -hex 32`)")
         return secret

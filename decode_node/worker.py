@@ -17,12 +17,12 @@ computes their prompts in chunks, as it does a recompute.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import replace
 
 from pdserve.config.engine import EngineConfig
 from pdserve.config.names import DECODE_ONLY
 from pdserve.config.worker import WorkerOptions
+from pdserve.decode_node.tombstones import Tombstones
 from pdserve.engine.engine import Engine, RequestRejected
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.kvtransfer.connector import DecodeConnector
@@ -34,8 +34,6 @@ from pdserve.worker.loop import Worker, error_event, model_fingerprint
 from pdserve.worker.tracing import KV_ADMIT
 
 log = logging.getLogger(__name__)
-
-TOMBSTONE_SECONDS = 120.0
 
 
 class DecodeWorker(Worker):
@@ -58,9 +56,9 @@ class DecodeWorker(Worker):
         self.kv_in = connector
         self.receiver: KVReceiver = make_receiver(
             options.kv_transports[0], f"tcp://{options.host}:{options.kv_port}", fingerprint=fingerprint,
-            auth=FrameAuth.from_secret(options.secret),
+            auth=FrameAuth.from_secret(options.secret), receiver_id=self.worker_id,
         )
-        self.aborted: dict[str, float] = {}  # aborts that may precede their KV
+        self.aborted = Tombstones()  # aborts that may precede their KV
         self.kv_refused = 0
 
     def kv_address(self) -> str:
@@ -78,11 +76,7 @@ class DecodeWorker(Worker):
 
     def abort(self, request_ids) -> None:
         self.engine.abort(request_ids)  # the connector NACKs a transfer its request had not loaded
-        now = time.monotonic()
-        for rid in request_ids:
-            self.aborted[rid] = now
-        if len(self.aborted) > 10_000:
-            self.aborted = {r: t for r, t in self.aborted.items() if now - t < TOMBSTONE_SECONDS}
+        self.aborted.add(request_ids)
         self._send_acks()
 
     def poll_io(self) -> None:

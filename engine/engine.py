@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -24,7 +26,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.model.config import ModelConfig, resolve_dtype, torch_dtype
 from pdserve.model.weights import LoadedModel, load_model
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.text.grammar import GrammarCompiler, GrammarError
+from pdserve.text.grammar import GrammarCompiler, GrammarError, GrammarMatcher
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +133,10 @@ class Engine:
         self.counters = EngineCounters()
         self.last_step_ran = False  # whether the last step() ran the model (a caller's idle check)
         self.grammars = GrammarCompiler(loaded.tokenizer)
+        # Constraints compile here, never on the engine loop (a big schema takes a second): the
+        # request waits in the scheduler's `compiling` until its matcher is ready.
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
+        self._compiles: dict[str, tuple[Request, Future[GrammarMatcher], list[int]]] = {}
         self._saves: list[KVSave] = []
         log.info("engine up: policy=%s connector=%s model=%s blocks=%d x %d device=%s dtype=%s linears=%s",
                  policy.name, type(self.connector.scheduler).__name__, self.model_name, num_blocks,
@@ -143,32 +149,66 @@ class Engine:
         """Queue a request; `output_token_ids` are tokens it already generated elsewhere (a
         structured output's grammar is advanced over them: the state another worker had).
         Raises RequestRejected for bad input, ValueError for an id already in use."""
-        self._check(prompt_token_ids, sampling, len(output_token_ids or ()))
+        self._check(prompt_token_ids, sampling, output_token_ids or ())
         req = Request(request_id, list(prompt_token_ids), sampling, self.eos_token_ids,
                       arrival_time=arrival_time or time.time())
         req.token_ids.extend(output_token_ids or ())
-        if sampling.structured is not None:
-            req.grammar = self._grammar(sampling, list(output_token_ids or ()))
-        self.scheduler.add_request(req)
+        generated = list(output_token_ids or ())
+        if sampling.structured is None:
+            self.scheduler.add_request(req)
+            return req
+        cached = self.grammars.lookup(sampling.structured)
+        if cached is not None:  # compiled lately: no wait
+            req.grammar = self._resumed(cached, generated)
+            self.scheduler.add_request(req)
+            return req
+        self.scheduler.add_request(req, ready=False)
+        self._compiles[request_id] = (req, self._compiler.submit(self.grammars.compile, sampling.structured),
+                                      generated)
         return req
 
-    def _grammar(self, sampling: SamplingParams, generated: list[int]):
-        assert sampling.structured is not None
-        try:
-            grammar = self.grammars.compile(sampling.structured)
-        except GrammarError as exc:
-            raise RequestRejected("structured", f"invalid structured output constraint: {exc}") from None
+    @staticmethod
+    def _resumed(grammar: GrammarMatcher, generated: list[int]) -> GrammarMatcher:
         if not grammar.advance_all(generated) or grammar.done:
             raise RequestRejected("output_token_ids", "the tokens generated so far do not continue "
                                   f"the structured output's grammar: {grammar.error or 'it is complete'}")
         return grammar
 
-    def _check(self, prompt: list[int], sampling: SamplingParams, num_output: int = 0) -> None:
+    def _take_compiled(self) -> list[RequestOutput]:
+        """Requests whose matcher is ready join the waiting queue; those whose constraint failed
+        end with an error output (as a rejection at `add_request` would have)."""
+        outputs: list[RequestOutput] = []
+        for rid, (req, future, generated) in list(self._compiles.items()):
+            if not future.done():
+                continue
+            del self._compiles[rid]
+            if rid not in self.scheduler.compiling or self.scheduler.requests.get(rid) is not req:
+                continue  # aborted meanwhile
+            try:
+                req.grammar = self._resumed(future.result(), generated)
+            except GrammarError as exc:
+                error = f"structured: invalid structured output constraint: {exc}"
+            except RequestRejected as exc:
+                error = f"{exc.param}: {exc}"
+            else:
+                self.scheduler.ready(req)
+                continue
+            log.info("request %s rejected: %s", rid, error)
+            if self.scheduler.fail_compiling(req, error):
+                outputs.append(self._ended(req))
+        return outputs
+
+    def _check(self, prompt: list[int], sampling: SamplingParams, output: Sequence[int] = ()) -> None:
         if not prompt:
             raise RequestRejected("prompt", "the prompt is empty")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise RequestRejected("prompt", f"token ids must be in [0, {vocab})")
+        # Tokens generated elsewhere (migration, a KV hand-off) come from a peer too: an id the
+        # embedding cannot look up would fail the whole step, every running request with it.
+        if any(not 0 <= t < vocab for t in output):
+            raise RequestRejected("output_token_ids", f"token ids must be in [0, {vocab})")
+        num_output = len(output)
         try:
             sampling.validate(vocab)
         except ValueError as exc:
@@ -179,6 +219,11 @@ class Engine:
             raise RequestRejected("prompt", "the prompt does not fit in this worker's KV cache")
 
     def abort(self, request_ids) -> list[RequestOutput]:
+        request_ids = list(request_ids)
+        for rid in request_ids:
+            pending = self._compiles.pop(rid, None)
+            if pending is not None:
+                pending[1].cancel()  # if it has not started; a started compile just finishes
         done = self.scheduler.abort(request_ids)
         return [RequestOutput(r.request_id, [], "abort", num_prompt_tokens=r.num_prompt_tokens) for r in done]
 
@@ -188,6 +233,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         start = time.time()
+        compiled = self._take_compiled() if self._compiles else []
         out = self.scheduler.schedule()
         # Requests that ended without a token this step: too big for the cache, refused at admission.
         ended = [r for r in out.preempted if r.status is RequestStatus.FINISHED_LENGTH] + out.failed
@@ -198,7 +244,7 @@ class Engine:
             failed = self.scheduler.fail(out, self.connector.worker.load(out.kv.loads, self.runner))
             load_failed = {r.request_id for r in failed}
             ended += failed
-        outputs = [self._ended(r, "kv_failed" if r.request_id in load_failed else "") for r in ended]
+        outputs = compiled + [self._ended(r, "kv_failed" if r.request_id in load_failed else "") for r in ended]
         self.last_step_ran = not out.empty
         if out.empty:
             return outputs

@@ -58,7 +58,7 @@ class LLM:
             return self.tokenizer.encode(prompt)
         if prompt and isinstance(prompt[0], dict):
             messages: list[dict[str, Any]] = list(prompt)  # type: ignore[arg-type]
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         return [int(t) for t in prompt]  # type: ignore[arg-type]
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -109,14 +109,34 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every request not finished, and the held ones
         self.held: dict[str, Request] = {}  # finished here; the connector owns their blocks
+        # Requests whose structured-output matcher is still compiling (off the engine loop): not
+        # schedulable yet; `ready` moves one to `waiting`.
+        self.compiling: dict[str, Request] = {}
         self.num_preemptions = 0
 
     # --- requests in and out ---------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, ready: bool = True) -> None:
+        """Queue a request; one not `ready` waits in `compiling` until `ready(req)`."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        if ready:
+            self.waiting.append(req)
+        else:
+            self.compiling[req.request_id] = req
+
+    def ready(self, req: Request) -> None:
+        """A compiling request may be scheduled now (no-op if it was aborted meanwhile)."""
+        if self.compiling.pop(req.request_id, None) is not None:
+            self.waiting.append(req)
+
+    def fail_compiling(self, req: Request, error: str) -> bool:
+        """Finish a compiling request with `error`; False if it is no longer compiling."""
+        if req.request_id not in self.compiling:
+            return False
+        req.error = error
+        self._finish(req, RequestStatus.FINISHED_ERROR, KVConnectorMetadata())
+        return True
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         """Finish the requests as aborted and free all they hold; unknown ids are ignored."""
@@ -156,7 +176,7 @@ class Scheduler:
             req.block_ids = []
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.compiling)
 
     @property
     def num_waiting_tokens(self) -> int:
@@ -297,6 +317,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus, meta: KVConnectorMetadata) -> None:
         if req in self.running:
             self.running.remove(req)
+        elif self.compiling.pop(req.request_id, None) is not None:
+            pass
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
         self.policy.on_finish(req)

@@ -60,6 +60,7 @@ class HandoffTarget:
     transport: str
     sampling: SamplingParams  # the request's own; the engine here runs it capped at one token
     epoch: str = ""  # the epoch of the router the request came from: its KVTransfer carries it
+    receiver_id: str = ""  # the decode worker's id: its KVTransfer names it (replay to another fails)
     first_token_at: float = 0.0  # its first token was out (handed to the router link)
     sent_at: float = 0.0  # KV handed to the transport
     nbytes: int = 0
@@ -187,7 +188,7 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
             sampling=target.sampling, num_computed_tokens=req.num_computed_tokens,
             fingerprint=self.fingerprint, tensor=describe(payload, with_checksum=False),
             transport=target.transport, arrival_time=req.arrival_time, epoch=target.epoch,
-            trace_context=self.trace_context(req.request_id),
+            trace_context=self.trace_context(req.request_id), receiver_id=target.receiver_id,
         )
         target.sent_at, target.nbytes = time.time(), payload.numel() * payload.element_size()
         self.in_flight[req.request_id] = target

@@ -70,7 +70,8 @@ class PrefillWorker(Worker):
         routes = self.links.routes
         epoch = routes.epoch_of(routes.owner(work.request_id))
         self.handoff.expect(work.request_id,
-                            HandoffTarget(work.decode_kv_address, work.kv_transport, work.sampling, epoch))
+                            HandoffTarget(work.decode_kv_address, work.kv_transport, work.sampling, epoch,
+                                          receiver_id=work.decode_worker_id))
         self.spans.started(work.request_id, work.trace_context, req, QUEUE)
 
     def start(self) -> PrefillWorker:

@@ -27,6 +27,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 MAGIC = b"PDA1"
 _PREFIX = struct.Struct(">4s8sQQ")  # magic, session, counter, time_ms
@@ -145,6 +146,37 @@ class FrameAuth:
             h.update(len(f).to_bytes(8, "big"))
             h.update(f)
         return h.digest()
+
+
+# --- the connection handshake (CURVE keys and the ZAP answer; the zmq side is the sockets') ---
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks a context's ZAP handler (RFC 27)
+HANDSHAKE_FAILED = "handshake"  # the rejection reason of a connection that did not prove the secret
+
+
+class CurveSecrets(NamedTuple):
+    """The deployment's two CURVE secret keys (32 raw bytes each), derived from the MAC key: every
+    server (router control, KV receiver) holds `server`, every client (worker link, KV sender)
+    `client`. Whoever completes a handshake with either knows the deployment secret."""
+
+    server: bytes
+    client: bytes
+
+
+def curve_secrets(key: bytes) -> CurveSecrets:
+    return CurveSecrets(hmac.new(key, b"curve server", hashlib.sha256).digest(),
+                        hmac.new(key, b"curve client", hashlib.sha256).digest())
+
+
+def zap_reply(request: Sequence[bytes], client_public: bytes) -> list[bytes]:
+    """libzmq's ZAP request (RFC 27: version, id, domain, address, identity, mechanism, key) to
+    its reply: 200 for a CURVE client whose long-term public key is the deployment's, else 400."""
+    if len(request) < 6 or request[0] != b"1.0":
+        return [b"1.0", request[1] if len(request) > 1 else b"", b"500", b"malformed ZAP request", b"", b""]
+    ok = request[5] == b"CURVE" and len(request) == 7 and hmac.compare_digest(request[6], client_public)
+    if ok:
+        return [b"1.0", request[1], b"200", b"OK", b"pdserve", b""]
+    return [b"1.0", request[1], b"400", b"not a key of this deployment", b"", b""]
 
 
 # The channels' labels, one per direction.

@@ -24,7 +24,7 @@ import msgspec
 
 from pdserve.protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 6  # 6: SamplingParams.structured (structured outputs); 5: retryable error causes, trace context; 4: work carries output_token_ids (migration); 3: router epochs (RegisterAck, work, KVTransfer), HeartbeatAck; 2: Register lost health_address
+PROTOCOL_VERSION = 7  # 7: KVTransfer.receiver_id, epochs on worker frames and Abort; 6: SamplingParams.structured (structured outputs); 5: retryable error causes, trace context; 4: work carries output_token_ids (migration); 3: router epochs (RegisterAck, work, KVTransfer), HeartbeatAck; 2: Register lost health_address
 
 Role = Literal["prefill", "decode", "colocated"]
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -93,6 +93,9 @@ class Heartbeat(_Msg, tag="heartbeat", frozen=True):
     kv_bytes_sent: int = 0
     kv_bytes_received: int = 0
     kv_transfer_seconds: float = 0.0
+    # The epoch of the router it is for (WorkerLink stamps it once registered; "" before): another
+    # router drops it, so a frame captured on its way to one router cannot be replayed to another.
+    epoch: str = ""
 
 
 class TokenEvent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -120,10 +123,12 @@ class TokenEvents(_Msg, tag="tokens", frozen=True):
 
     worker_id: str
     events: tuple[TokenEvent, ...]
+    epoch: str = ""  # as Heartbeat.epoch
 
 
 class Goodbye(_Msg, tag="goodbye", frozen=True):
     worker_id: str
+    epoch: str = ""  # as Heartbeat.epoch
 
 
 # --- control channel: router -> worker -------------------------------------------------------
@@ -174,6 +179,7 @@ class GenerateRequest(_Msg, tag="generate", frozen=True):
 
 class Abort(_Msg, tag="abort", frozen=True):
     request_ids: tuple[str, ...]
+    epoch: str = ""  # the router's (ControlServer stamps it): a worker drops an Abort of another
 
 
 # --- KV channel: prefill <-> decode ----------------------------------------------------------
@@ -203,6 +209,9 @@ class KVTransfer(_Msg, tag="kv", frozen=True):
     # The router epoch the prefill worker took the request under: a decode worker NACKs another.
     epoch: str = ""
     trace_context: str = ""  # the prefill worker's "kv sent" span, parent of the decode side's
+    # The decode worker it is for (its worker_id, from PrefillRequest.decode_worker_id): every other
+    # receiver drops it, so a transfer captured on its way cannot be replayed into another one.
+    receiver_id: str = ""
 
 
 class KVAck(_Msg, tag="kv_ack", frozen=True):

@@ -34,10 +34,20 @@ from collections.abc import Callable, Sequence
 import msgspec
 import zmq
 from prometheus_client import Counter
+from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from pdserve.config.log_limits import RateLimitedLog
-from pdserve.protocol.auth import CONTROL_TO_ROUTER, CONTROL_TO_WORKER, AuthError, FrameAuth
+from pdserve.protocol.auth import (
+    CONTROL_TO_ROUTER,
+    CONTROL_TO_WORKER,
+    HANDSHAKE_FAILED,
+    ZAP_ENDPOINT,
+    AuthError,
+    FrameAuth,
+    curve_secrets,
+    zap_reply,
+)
 from pdserve.protocol.codec import ProtocolError, encode, open_message
 from pdserve.protocol.messages import (
     Abort,
@@ -62,6 +72,9 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024  # a control frame is small; a bigger one is 
 MAX_OUTBOX = 65536  # frames queued for workers before `send` drops (and counts) them
 MAX_INBOX = 65536  # messages read but not yet handled by the event loop
 _BATCH = 256  # frames read per wake-up before the outbox gets a turn
+HANDSHAKE_IVL_MS = 5000  # a connection that has not proved the secret by then is dropped
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 _log_bad = RateLimitedLog(log, logging.WARNING, per_seconds=10.0)
 
@@ -102,6 +115,8 @@ class ControlServer:
         self.on_lost = on_lost  # what a lost worker's requests come to (migrated or failed)
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
+        self._zap: zmq.Socket | None = None
+        self._client_key = b""  # the deployment's CURVE client key, raw (what ZAP reports)
         self._out: queue.Queue[tuple[bytes, bytes]] = queue.Queue(MAX_OUTBOX)
         self._arrived: dict[str, float] = {}  # worker_id -> monotonic arrival of its last frame
         # The connection (file descriptor) each worker's latest verified frame came on (I/O thread).
@@ -129,6 +144,11 @@ class ControlServer:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        # A worker that connects again under its identity takes it over from the old connection;
+        # with a secret, every connection has proved it (below), so no stranger can hold one.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if self.auth.secure:
+            self._secure(sock)
         sock.bind(self.address)
         self.bound_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
@@ -140,6 +160,20 @@ class ControlServer:
         if not self.auth.secure:
             log.warning("control channel on %s is NOT authenticated (--insecure)", self.bound_address)
         log.info("control channel listening on %s (epoch %s)", self.bound_address, self.epoch)
+
+    def _secure(self, sock: zmq.Socket) -> None:
+        """CURVE with the deployment's keys, clients admitted by ZAP only with the deployment's key:
+        no frame of a peer without the secret is accepted, not even buffered beyond its first
+        (kvtransfer/transport/handshake.py is the same for the KV plane; docs/security.md)."""
+        assert self._ctx is not None and self.auth.key is not None
+        keys = curve_secrets(self.auth.key)
+        self._client_key = z85.decode(zmq.curve_public(z85.encode(keys.client)))
+        self._zap = zap = self._ctx.socket(zmq.REP)
+        zap.setsockopt(zmq.LINGER, 0)
+        zap.bind(ZAP_ENDPOINT)  # before the ROUTER binds: without it libzmq admits anyone
+        sock.curve_server = True
+        sock.curve_secretkey = z85.encode(keys.server)
+        sock.handshake_ivl = HANDSHAKE_IVL_MS
 
     async def stop(self) -> None:
         self.alive = False
@@ -164,7 +198,7 @@ class ControlServer:
 
     def send(self, worker_id: str, msg: Message) -> None:
         """Queue one message for a worker; never blocks (a full queue drops it, counted)."""
-        if isinstance(msg, PrefillRequest | GenerateRequest) and msg.epoch != self.epoch:
+        if isinstance(msg, PrefillRequest | GenerateRequest | Abort) and msg.epoch != self.epoch:
             msg = msgspec.structs.replace(msg, epoch=self.epoch)
         try:
             self._out.put_nowait((worker_id.encode(), encode(msg)))
@@ -192,8 +226,10 @@ class ControlServer:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
         poller.register(monitor, zmq.POLLIN)
+        if self._zap is not None:
+            poller.register(self._zap, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(100))
@@ -205,6 +241,8 @@ class ControlServer:
                     self._read(sock)
                 if monitor in ready:
                     self._on_monitor(monitor)
+                if self._zap is not None and self._zap in ready:
+                    self._answer_zap(self._zap)
                 self._flush(sock)
             self._flush(sock)
         except Exception:
@@ -215,6 +253,8 @@ class ControlServer:
                 sock.disable_monitor()
             monitor.close(linger=0)
             sock.close(linger=200)
+            if self._zap is not None:
+                self._zap.close(linger=0)
 
     def _read(self, sock: zmq.Socket) -> None:
         for _ in range(_BATCH):
@@ -236,6 +276,11 @@ class ControlServer:
                 event = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if event["event"] & _HANDSHAKE_FAILED:
+                self.rejected.labels(HANDSHAKE_FAILED).inc()
+                _log_bad("control connection refused: it did not prove the deployment secret",
+                         key="auth-handshake")
+                continue
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
             fd = int(event["value"])
@@ -247,6 +292,14 @@ class ControlServer:
             if loop is not None and not loop.is_closed():
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(self._on_disconnect, worker_id)
+
+    def _answer_zap(self, zap: zmq.Socket) -> None:
+        while True:
+            try:
+                request = zap.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            zap.send_multipart(zap_reply(request, self._client_key))
 
     def _flush(self, sock: zmq.Socket) -> None:
         while True:
@@ -274,10 +327,18 @@ class ControlServer:
             return self._bad(ident, f"{type(msg).__name__} is not a worker-to-router message")
         if msg.worker_id.encode() != ident:
             return self._bad(ident, f"worker_id {msg.worker_id!r} does not match the connection identity")
+        if not isinstance(msg, Register) and not _for_epoch(msg, self.epoch):
+            # No liveness from it: the event loop decides what it is (_other_epoch).
+            self._hand_over(msg, arrival)
+            return
         self._arrived[msg.worker_id] = arrival
         if fd is not None and self._fd_of.get(msg.worker_id) != fd:
             self._fd_of[msg.worker_id] = fd
             self._worker_on[fd] = msg.worker_id
+        self._hand_over(msg, arrival)
+
+    def _hand_over(self, msg: Register | Heartbeat | TokenEvents | Goodbye, arrival: float) -> None:
+        """Queue a verified message for the event loop (bounded: a full inbox drops it, counted)."""
         with self._inbox_lock:
             if self._inbox_len >= MAX_INBOX:
                 self.inbox_dropped += 1
@@ -301,7 +362,9 @@ class ControlServer:
         with self._inbox_lock:
             self._inbox_len -= 1
         try:
-            if isinstance(msg, Register):
+            if not isinstance(msg, Register) and not _for_epoch(msg, self.epoch):
+                self._other_epoch(msg)
+            elif isinstance(msg, Register):
                 self._on_register(msg, arrival)
             elif isinstance(msg, Heartbeat):
                 self._on_heartbeat(msg, arrival)
@@ -315,6 +378,17 @@ class ControlServer:
         except Exception:  # a handler bug must not kill the channel
             self.metrics.bad_messages.inc()
             log.exception("control message handling failed")
+
+    def _other_epoch(self, msg: Heartbeat | TokenEvents | Goodbye) -> None:
+        """A frame for another router (or this router's previous start). From a worker registered
+        here it is a replay: dropped. Otherwise the worker registered with our predecessor: asked
+        to register again, which tells it our epoch (its fence follows)."""
+        if msg.worker_id in self.registry.workers or isinstance(msg, Goodbye):
+            self.metrics.bad_messages.inc()
+            _log_bad("%s from %s names router epoch %r, ours is %s: dropped", type(msg).__name__,
+                     msg.worker_id, msg.epoch, self.epoch, key="other-epoch")
+            return
+        self._refuse(msg.worker_id, UNKNOWN_WORKER)
 
     def _refuse(self, worker_id: str, reason: str) -> None:
         self.send(worker_id, RegisterAck(worker_id=worker_id, accepted=False, reason=reason, epoch=self.epoch))
@@ -366,11 +440,16 @@ class ControlServer:
     def _on_tokens(self, msg: TokenEvents, now: float) -> None:
         if not self.registry.touch(msg.worker_id, now):
             self._refuse(msg.worker_id, UNKNOWN_WORKER)
+        stray = []
         for ev in msg.events:
-            if not self.tracker.deliver(msg.worker_id, ev):
-                log.debug(
-                    "event for unknown request %s from %s dropped", ev.request_id, msg.worker_id
-                )
+            if not self.tracker.deliver(msg.worker_id, ev) and ev.finish_reason is None:
+                stray.append(ev.request_id)
+        if stray:
+            # Work this router never gave that worker (a transfer replayed into it, a request this
+            # router forgot): stopped there, not only ignored here. Aborts are idempotent.
+            _log_bad("worker %s runs %d requests this router did not give it (%s): aborted", msg.worker_id,
+                     len(stray), ",".join(stray[:4]), key="stray-tokens")
+            self.send(msg.worker_id, Abort(request_ids=tuple(dict.fromkeys(stray))))
 
     # --- liveness ------------------------------------------------------------------------
 
@@ -414,6 +493,12 @@ class ControlServer:
             counts[w.role] += 1
         for role in ("prefill", "decode", "colocated"):
             self.metrics.workers.labels(role).set(counts[role])
+
+
+def _for_epoch(msg: Message, epoch: str) -> bool:
+    """Whether a worker's frame is for the router of `epoch` ("" : sent before it knew one)."""
+    other = getattr(msg, "epoch", "")
+    return not other or other == epoch
 
 
 def _source_fd(frame: zmq.Frame) -> int | None:

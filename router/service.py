@@ -9,14 +9,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from pdserve.config.router import RouterConfig
 from pdserve.protocol.messages import GenerateRequest, PrefillRequest
 from pdserve.protocol.sampling import SamplingParams, SamplingParamsError, StructuredOutput
 from pdserve.router.control import ControlServer
@@ -44,34 +45,35 @@ _INLINE_BODY_BYTES = 8192
 _FALLBACK_MAX_TOKEN_CHARS = 128
 
 
-@dataclass(frozen=True, slots=True)
-class RouterConfig:
-    control_address: str = "tcp://127.0.0.1:5550"
-    served_model_name: str = "default"
-    api_key: str | None = None
-    max_inflight: int = 1024
-    max_body_bytes: int = 4 * 1024 * 1024
-    heartbeat_timeout: float = 3.0
-    kv_transport: str = "auto"
-    request_timeout: float = 60.0
-    max_model_len: int | None = None
-    drain_timeout: float = 30.0
-    tokenize_threads: int = 2
-    migration_limit: int = 3  # re-dispatches of one choice: its worker was lost or gave it up
-    prefill_fallback: bool = True  # no prefill worker left: a decode worker serves the request whole
-    grammar_timeout: float = 5.0  # seconds to compile a structured-output constraint
-    expect_workers: int = 0  # /ready waits until this many distinct workers have registered
-
-
 class Slot:
-    """One admitted HTTP request's place under --max-inflight; `release` is idempotent."""
+    """One admitted HTTP request's place under --max-inflight, and the body bytes it holds under
+    --max-buffered-body-bytes; `release` gives both back and is idempotent."""
 
     def __init__(self, service: RouterService) -> None:
         self._service: RouterService | None = service
+        self.body_bytes = 0
+
+    def hold_body(self, n: int) -> None:
+        """Count `n` more body bytes against the router-wide budget, or refuse (503): past it,
+        slow uploads would add up to the router's memory limit."""
+        svc = self._service
+        assert svc is not None, "hold_body after release"
+        budget = svc.config.max_buffered_body_bytes
+        if svc.buffered_body_bytes + n > budget:
+            raise APIError(
+                503,
+                f"the router holds too many request bodies at once ({budget} bytes in all); retry shortly",
+                code="body_budget_exceeded",
+                headers={"Retry-After": "1"},
+            )
+        svc.buffered_body_bytes += n
+        self.body_bytes += n
 
     def release(self) -> None:
         if self._service is not None:
             self._service.inflight -= 1
+            self._service.buffered_body_bytes -= self.body_bytes
+            self.body_bytes = 0
             self._service = None
 
 
@@ -101,11 +103,17 @@ class RouterService:
             on_lost=self._worker_lost,
         )
         self.inflight = 0
+        self.buffered_body_bytes = 0  # bodies of admitted requests, received or arriving (Slot)
         self.draining = False
         self._api_key = config.api_key.encode() if config.api_key else None
         # Templating, tokenizing and hashing a big prompt take seconds: never on the loop.
         self._pool = ThreadPoolExecutor(
             max(1, config.tokenize_threads), thread_name_prefix="pdserve-tokenize"
+        )
+        # Grammars compile on their own threads: a request's tools may take seconds to compile
+        # and must never hold up another request's tokenizing.
+        self._grammar_pool = ThreadPoolExecutor(
+            max(1, config.grammar_threads), thread_name_prefix="pdserve-grammar"
         )
         self.max_token_chars = max_token_chars(tokenizer)
         self.grammars = GrammarCompiler(tokenizer)
@@ -128,6 +136,7 @@ class RouterService:
             await asyncio.sleep(0.01)
         await self.control.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     async def drain(self, timeout: float) -> None:
         """Stop admitting and wait (up to `timeout`) for in-flight requests to finish."""
@@ -271,16 +280,15 @@ class RouterService:
             instruction = plan.instruction() if plan is not None else ""
             messages = tool_text.render_default(messages, functions, instruction)
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, **kwargs
-            )
+            # Special tokens come from the template's markup only, never from the messages'
+            # text or the kwargs (text/tokenizer.py `encode_chat`).
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True, **kwargs)
         except Exception as exc:  # ValueError, jinja2 errors: the template rejected these messages
             raise bad_request(
                 f"the chat template failed on these messages: {exc}",
                 "messages",
                 "chat_template_error",
             ) from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     # --- structured outputs --------------------------------------------------------------
 
@@ -312,28 +320,45 @@ class RouterService:
         return found[0]
 
     async def _compile(self, specs: list[tuple[StructuredOutput, str]], what: str) -> None:
-        """Compile constraints on the pool, all within one `grammar_timeout`; the first that
-        fails is a 400 naming its field."""
+        """Compile constraints on the grammar pool; the first that fails is a 400 naming its field.
+
+        `grammar_timeout` counts compile time only, from when a thread takes the work (time
+        queued behind other requests' grammars is not this request's fault). Past it, or when
+        the request goes away, the thread stops before the next constraint: one request holds a
+        thread for at most the timeout plus one constraint (each bounded by the limits and
+        llguidance's fuel, text/grammar.py)."""
+        loop = asyncio.get_running_loop()
+        started = asyncio.Event()
+        stop = threading.Event()
 
         def check_all() -> tuple[str, GrammarError] | None:
+            loop.call_soon_threadsafe(started.set)
             for spec, param in specs:
+                if stop.is_set():
+                    return None
                 try:
                     self.grammars.check(spec)
                 except GrammarError as exc:
                     return param, exc
             return None
 
-        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(self._grammar_pool, check_all)
+        began = asyncio.ensure_future(started.wait())
         try:
-            failed = await asyncio.wait_for(
-                loop.run_in_executor(self._pool, check_all), self.config.grammar_timeout
-            )
+            waiters: list[asyncio.Future[Any]] = [work, began]
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            failed = await asyncio.wait_for(asyncio.shield(work), self.config.grammar_timeout)
         except TimeoutError:
             raise bad_request(
                 f"`{what}` took more than {self.config.grammar_timeout:g} s to compile; simplify it",
                 what,
                 "invalid_structured_output",
             ) from None
+        finally:
+            began.cancel()
+            if not work.done():  # timed out, or the request was cancelled: free the thread
+                stop.set()
+                work.cancel()
         if failed is not None:
             param, exc = failed
             raise bad_request(f"invalid `{param}`: {exc}", param, "invalid_structured_output")

@@ -28,6 +28,18 @@ MAX_SCHEMA_DEPTH = 32  # nesting of objects and arrays in a JSON schema document
 MAX_PATTERN_CHARS = 4096  # a regex
 MAX_NESTING = 32  # brackets inside a regex or a grammar
 MAX_CHOICES = 512
+# Properties of one object in a schema. Each optional property adds ~4 items to an Earley row and
+# llguidance refuses a row over 2000 items at the step that reaches it (3,000 optional properties
+# compiled, then failed at the first token): past this cap a schema is refused before it compiles.
+MAX_PROPERTIES = 256
+# Keywords that document a schema without constraining it: left out of what is compiled and of the
+# cache key, so that a new title or description does not compile the same grammar again.
+_ANNOTATIONS = frozenset({"title", "description", "$comment", "examples"})
+# Where a schema holds subschemas: a map of them, a list of them, or one.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_SCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems"})
+_SCHEMA_ONE = frozenset({"items", "additionalProperties", "not", "if", "then", "else", "contains",
+                         "propertyNames", "unevaluatedItems", "unevaluatedProperties", "additionalItems"})
 _MAX_MESSAGE = 400
 
 # JSON is generated compact (no whitespace between tokens): flexible whitespace lets a model pad
@@ -99,6 +111,41 @@ def bracket_depth(text: str) -> int:
     return deepest
 
 
+def widest_object(value: Any) -> int:
+    """The most properties any object of a schema declares (iterative: no recursion)."""
+    widest, todo = 0, [value]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            props = node.get("properties")
+            if isinstance(props, dict):
+                widest = max(widest, len(props))
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return widest
+
+
+def schema_meaning(value: Any) -> Any:
+    """A copy of a JSON schema without its annotations (`_ANNOTATIONS`) where a schema keyword
+    stands (a property named "title" stays): the same constraint, whatever its documentation."""
+    if not isinstance(value, dict):
+        return value
+    out: dict[str, Any] = {}
+    for key, sub in value.items():
+        if key in _ANNOTATIONS:
+            continue
+        if key in _SCHEMA_MAPS and isinstance(sub, dict):
+            out[key] = {k: schema_meaning(v) for k, v in sub.items()}
+        elif key in _SCHEMA_LISTS and isinstance(sub, list):
+            out[key] = [schema_meaning(v) for v in sub]
+        elif key in _SCHEMA_ONE:
+            out[key] = [schema_meaning(v) for v in sub] if isinstance(sub, list) else schema_meaning(sub)
+        else:
+            out[key] = sub
+    return out
+
+
 def check_limits(spec: StructuredOutput) -> Any:
     """Refuse a constraint over the size, depth or complexity caps (GrammarError); return the
     decoded value of a JSON spec (a schema, the choices), None for text specs."""
@@ -116,6 +163,8 @@ def check_limits(spec: StructuredOutput) -> Any:
             raise GrammarError(f"nests deeper than {MAX_SCHEMA_DEPTH} levels")
         if spec.kind == "json_schema" and not isinstance(value, dict | bool):
             raise GrammarError("a JSON schema must be an object")
+        if spec.kind == "json_schema" and (wide := widest_object(value)) > MAX_PROPERTIES:
+            raise GrammarError(f"an object of the schema has {wide} properties; the limit is {MAX_PROPERTIES}")
         if spec.kind == "choice":
             if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
                 raise GrammarError("the choices must be a non-empty list of strings")
@@ -132,9 +181,22 @@ def check_limits(spec: StructuredOutput) -> Any:
     return None
 
 
+def prepare(spec: StructuredOutput) -> tuple[tuple[str, str], Any]:
+    """Check a constraint's limits (GrammarError); return its meaning's cache key and its decoded
+    value (a schema without annotations, the choices; None for text specs)."""
+    value = check_limits(spec)
+    if spec.kind == "json_schema" and isinstance(value, dict):
+        value = schema_meaning(value)
+        return (spec.kind, json.dumps(value, separators=(",", ":"), ensure_ascii=False)), value
+    return (spec.kind, spec.spec), value
+
+
 def grammar_text(spec: StructuredOutput) -> str:
     """The llguidance grammar of a constraint (not yet checked against a tokenizer)."""
-    value = check_limits(spec)
+    return _grammar_of(spec, prepare(spec)[1])
+
+
+def _grammar_of(spec: StructuredOutput, value: Any) -> str:
     if spec.kind == "json_object":
         return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
     if spec.kind == "json_schema":
@@ -210,30 +272,46 @@ class GrammarCompiler:
                                        f"tokenizer: {_short(str(exc))}") from None
             return self._ll
 
+    def lookup(self, spec: StructuredOutput) -> GrammarMatcher | None:
+        """A fresh matcher if this exact constraint text was compiled lately, else None; a dict
+        look-up, nothing parsed: what an engine loop may call."""
+        with self._lock:
+            pristine = self._cache.get((spec.kind, spec.spec))
+            if pristine is None:
+                return None
+            self._cache.move_to_end((spec.kind, spec.spec))
+            return GrammarMatcher(pristine.deep_copy())
+
     def compile(self, spec: StructuredOutput) -> GrammarMatcher:
-        """A fresh matcher at the grammar's start; GrammarError when the constraint is bad."""
-        key = (spec.kind, spec.spec)
+        """A fresh matcher at the grammar's start; GrammarError when the constraint is bad.
+        Compiled once per meaning: a schema differing only in its annotations is a cache hit."""
+        found = self.lookup(spec)
+        if found is not None:
+            return found
+        key, value = prepare(spec)
         with self._lock:
             pristine = self._cache.get(key)
-            if pristine is not None:
-                self._cache.move_to_end(key)
-                return GrammarMatcher(pristine.deep_copy())
-        grammar = grammar_text(spec)
-        ll = self.ll_tokenizer()
-        failed, messages = _guarded(
-            lambda: llg.LLMatcher.validate_grammar_with_warnings(grammar, ll, limits=parser_limits())
-        )
-        if failed:
-            raise GrammarError(_short(messages[0] if messages else "invalid grammar"))
-        matcher = _guarded(lambda: llg.LLMatcher(ll, grammar, log_level=0, limits=parser_limits()))
-        if matcher.is_error():
-            # Valid syntax whose language is empty (e.g. an empty character class).
-            raise GrammarError("no output can satisfy it: " + _short(matcher.get_error()))
+        if pristine is None:
+            grammar = _grammar_of(spec, value)
+            ll = self.ll_tokenizer()
+            failed, messages = _guarded(
+                lambda: llg.LLMatcher.validate_grammar_with_warnings(grammar, ll, limits=parser_limits())
+            )
+            if failed:
+                raise GrammarError(_short(messages[0] if messages else "invalid grammar"))
+            matcher = _guarded(lambda: llg.LLMatcher(ll, grammar, log_level=0, limits=parser_limits()))
+            if matcher.is_error():
+                # Valid syntax whose language is empty (e.g. an empty character class).
+                raise GrammarError("no output can satisfy it: " + _short(matcher.get_error()))
+            pristine = matcher.deep_copy()
         with self._lock:
-            self._cache[key] = matcher.deep_copy()
+            # The text and the meaning share one pristine matcher (and one slot of the bound each).
+            for k in {key, (spec.kind, spec.spec)}:
+                self._cache[k] = pristine
+                self._cache.move_to_end(k)
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return GrammarMatcher(matcher)
+        return GrammarMatcher(pristine.deep_copy())
 
     def check(self, spec: StructuredOutput) -> None:
         """What the router runs: compile, and compute the first mask, where lazily built lexers

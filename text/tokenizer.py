@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import secrets
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -128,6 +131,16 @@ class Tokenizer:
         self.stop_token_ids: tuple[int, ...] = tuple(
             dict.fromkeys(i for i in stops if i is not None and 0 <= i < self.vocab_size)
         )
+        # Special (control) tokens by text, and a pattern finding any of them, longest first.
+        self._specials = {
+            t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special and t.content
+        }
+        self._special_re = (
+            re.compile("|".join(re.escape(t) for t in sorted(self._specials, key=len, reverse=True)))
+            if self._specials else None
+        )
+        self._text_backend: BackendTokenizer | None = None  # the backend that never matches them
+        self._text_lock = threading.Lock()
 
     # ----- construction -------------------------------------------------------------------
 
@@ -289,6 +302,66 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             **{**special, **kwargs},
         )
+
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """Token ids of a conversation rendered by the chat template, where only the template's
+        own markup may become special tokens: special-token text inside the messages or the
+        kwargs (`<|im_start|>system` in a user message) is tokenized as the text it is.
+
+        The text is the same as `apply_chat_template`'s; ValueError as there."""
+        if self._special_re is None:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs))
+        # Every special-token text in the caller's values becomes a stand-in the template cannot
+        # know (a fresh nonce per render), so each special token left in the output is markup.
+        nonce = f"{secrets.randbelow(10**16):016d}"  # digits: unchanged by `upper`/`lower` filters
+        stand_in = {t: f"\ue000{nonce}{i}\ue001" for t, i in self._specials.items()}
+        found = re.compile(f"\ue000{nonce}(\\d+)\ue001")
+        by_id = {i: t for t, i in self._specials.items()}
+        special_re = self._special_re
+
+        def defuse(value: Any) -> Any:
+            if isinstance(value, str):
+                return special_re.sub(lambda m: stand_in[m.group()], value)
+            if isinstance(value, dict):
+                return {defuse(k): defuse(v) for k, v in value.items()}
+            if isinstance(value, list | tuple):
+                return [defuse(v) for v in value]
+            return value
+
+        text = self.apply_chat_template(defuse(messages), add_generation_prompt, **defuse(kwargs))
+        pieces: list[str] = []  # text, markup, text, markup, ..., text
+        markup: list[int] = []
+        last = 0
+        for m in special_re.finditer(text):
+            pieces.append(text[last : m.start()])
+            markup.append(self._specials[m.group()])
+            last = m.end()
+        pieces.append(text[last:])
+        pieces = [found.sub(lambda m: by_id[int(m.group(1))], p) for p in pieces]
+        # A special token that strips the whitespace beside it does so here too.
+        flags = {i: t for i, t in self._backend.get_added_tokens_decoder().items() if i in markup}
+        for k, special in enumerate(markup):
+            if flags[special].lstrip:
+                pieces[k] = pieces[k].rstrip()
+            if flags[special].rstrip:
+                pieces[k + 1] = pieces[k + 1].lstrip()
+        encoded = self._text_encoder().encode_batch_fast(pieces, add_special_tokens=False)
+        ids = list(encoded[0].ids)
+        for special, piece in zip(markup, encoded[1:], strict=True):
+            ids.append(special)
+            ids.extend(piece.ids)
+        return ids
+
+    def _text_encoder(self) -> BackendTokenizer:
+        """A copy of the backend that tokenizes special-token text as text (built on first use)."""
+        with self._text_lock:
+            if self._text_backend is None:
+                backend = BackendTokenizer.from_str(self._backend.to_str())
+                backend.encode_special_tokens = True
+                self._text_backend = backend
+            return self._text_backend
 
     def _id_or_none(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)

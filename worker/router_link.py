@@ -28,6 +28,7 @@ import msgspec
 import zmq
 
 from pdserve.config.log_limits import RateLimitedLog
+from pdserve.kvtransfer.transport.handshake import secure_client
 from pdserve.protocol.auth import CONTROL_TO_ROUTER, CONTROL_TO_WORKER, AuthError, FrameAuth
 from pdserve.protocol.codec import ProtocolError, encode, open_message
 from pdserve.protocol.messages import (
@@ -176,6 +177,7 @@ class WorkerLink:
         sock.setsockopt(zmq.LINGER, 1000)  # lets the Goodbye out on close
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sock.setsockopt(zmq.IPV6, 1)  # a dns:// router address may resolve to IPv6 ones
+        secure_client(sock, self.auth)  # the router proves the secret before it hears anything
         sock.connect(self.router_address)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -212,6 +214,8 @@ class WorkerLink:
             sock.close()
 
     def _send(self, sock: zmq.Socket, msg: Message) -> None:
+        if self.epoch and isinstance(msg, Heartbeat | TokenEvents | Goodbye) and msg.epoch != self.epoch:
+            msg = msgspec.structs.replace(msg, epoch=self.epoch)  # for this router only
         sock.send_multipart(self.auth.seal(CONTROL_TO_ROUTER, [encode(msg)]))
 
     def _send_heartbeat(self, sock: zmq.Socket) -> None:

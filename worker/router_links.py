@@ -216,6 +216,9 @@ class RouterLinks:
             if address.scheme == "tcp":
                 current.add(endpoint(address.host, address.port))
                 continue
+            if address.scheme == "ipc":
+                current.add(str(address))
+                continue
             try:
                 found = resolve(address.host, address.port)
             except OSError as exc:

@@ -38,7 +38,8 @@ def make_sender(kind: str, **options: object) -> KVSender:
 
 def make_receiver(kind: str, address: str, **options: object) -> KVReceiver:
     """A receiver bound to `address` ("tcp://127.0.0.1:0" picks a free port; see `.address`).
-    Options: fingerprint (refuse KV of another model layout), max_message_bytes, max_mappings (shm)."""
+    Options: fingerprint (refuse KV of another model layout), receiver_id (refuse KV for another
+    worker), max_frame_bytes, max_mappings (shm)."""
     if kind == "tcp":
         from pdserve.kvtransfer.transport.tcp import TcpKVReceiver as cls
     elif kind == "shm":

@@ -1,15 +1,19 @@
 """KV over ZeroMQ: the channel every transport shares, and the TCP transport itself.
 
-    prefill  DEALER (one per decode address) ──[KVTransfer msgpack][payload frame?]──► ROUTER  decode
+    prefill  DEALER (one per decode address) ──[KVTransfer msgpack][payload frames?]─► ROUTER  decode
              DEALER ◄────────────────────────────[KVAck msgpack]───────────────────── ROUTER
 
-TCP sends the payload as one raw frame after the header (zero-copy on both ends: `copy=False,
-track=True` on send, a view over the received zmq Frame on receipt). The shm and CUDA IPC
-transports subclass these classes and send no payload frame: `location` names the bytes.
+TCP sends the payload as raw frames of at most `PAYLOAD_FRAME_BYTES` after the header (zero-copy
+on send: `copy=False, track=True` over slices of the tensor; on receipt a view over the one zmq
+Frame of a small payload, a joined copy of a larger one's). Frames that size let the receiver's
+`MAXMSGSIZE` be small: it is what a peer that has not finished its handshake can make it buffer
+(handshake.py). The shm and CUDA IPC transports subclass these classes and send no payload frame:
+`location` names the bytes.
 
-Every message is `[auth frame, header, *payload]` (pdserve.protocol.auth): the MAC covers the
-header and the payload frames, so a receiver never decodes a frame of an unauthenticated sender
-(it drops it, counted in `stats()`). Acks are authenticated the same way. A transfer that fails
+Every connection first proves the deployment secret (CURVE, handshake.py). Every message is then
+`[auth frame, header, *payload]` (pdserve.protocol.auth): the MAC covers the header and the payload
+frames, so a receiver never decodes a frame of an unauthenticated sender (it drops it, counted in
+`stats()`); a header naming another receiver (`receiver_id`) is dropped too. Acks are authenticated the same way. A transfer that fails
 on the receiver for any reason is NACKed at once. Sender sockets (one per decode address) are
 closed when idle for `IDLE_SOCKET_S` and capped at `MAX_PEER_SOCKETS`.
 """
@@ -46,7 +50,14 @@ from pdserve.kvtransfer.transport.base import (
     TransportError,
     drain,
 )
-from pdserve.protocol.auth import KV_TO_DECODE, KV_TO_PREFILL, AuthError, FrameAuth
+from pdserve.kvtransfer.transport.handshake import ZapHandler, secure_client, secure_server
+from pdserve.protocol.auth import (
+    HANDSHAKE_FAILED,
+    KV_TO_DECODE,
+    KV_TO_PREFILL,
+    AuthError,
+    FrameAuth,
+)
 from pdserve.protocol.codec import ProtocolError, decode, encode, open_message
 from pdserve.protocol.messages import KVAck, KVTransfer, ModelFingerprint
 
@@ -59,6 +70,8 @@ MAX_QUEUED_SENDS = 4096  # sends handed to the I/O thread and not yet done: more
 MAX_READY = 4096  # received transfers the engine has not polled: more are NACKed at once
 IDLE_SOCKET_S = 60.0  # a sender's DEALER to a decode address with no traffic that long is closed
 MAX_PEER_SOCKETS = 256  # DEALERs one sender keeps open (the least recently used idle one goes)
+PAYLOAD_FRAME_BYTES = 16 << 20  # a tcp payload travels in frames of at most this
+MAX_FRAME_BYTES = PAYLOAD_FRAME_BYTES + (16 << 20)  # a receiver's MAXMSGSIZE: a payload frame or a header
 
 _log_bad = RateLimitedLog(log, logging.WARNING, per_seconds=10.0)
 
@@ -131,7 +144,8 @@ class ZmqKVSender(KVSender):
         t = payload.detach()
         t = (t if t.device.type == "cpu" else t.cpu()).contiguous()
         meta = with_header(meta, tensor=describe(t))
-        return meta, [as_bytes(t).numpy().data], t
+        data = as_bytes(t).numpy().data
+        return meta, [data[i : i + PAYLOAD_FRAME_BYTES] for i in range(0, len(data), PAYLOAD_FRAME_BYTES)] or [data], t
 
     def _unstage(self, hold: object) -> None:
         """The receiver is done with `hold` (acked, or its lease expired)."""
@@ -190,6 +204,7 @@ class ZmqKVSender(KVSender):
             self._loop.counters["sockets_evicted"] += 1
         sock = self._loop.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        secure_client(sock, self.auth)
         sock.connect(address)
         self._sockets[address] = sock
         self._last_used[address] = time.monotonic()
@@ -316,19 +331,22 @@ class ZmqKVReceiver(KVReceiver):
         address: str,
         *,
         fingerprint: ModelFingerprint | None = None,
-        max_message_bytes: int = 1 << 32,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
         name: str = "kv-receiver",
         auth: FrameAuth | None = None,
+        receiver_id: str = "",
     ) -> None:
         check_address(address)
         self.fingerprint = fingerprint
+        self.receiver_id = receiver_id  # its worker's id: a transfer naming another is dropped
         self.auth = auth if auth is not None else FrameAuth(None)
-        self._max_message_bytes = max_message_bytes
+        self._max_frame_bytes = max_frame_bytes
         self._ready: queue.Queue[ReceivedKV] = queue.Queue(MAX_READY)
         self._peers: OrderedDict[str, bytes] = OrderedDict()  # I/O thread only
         self._held: dict[str, ReceivedKV] = {}
         self._held_lock = threading.Lock()
         self._unknown_acks = 0  # engine thread only
+        self._zap: ZapHandler | None = None
         self._loop = IOLoop(name)
         try:
             self.address: str = self._loop.call(lambda: self._bind(address))  # type: ignore[assignment]
@@ -370,9 +388,18 @@ class ZmqKVReceiver(KVReceiver):
 
     def _open(self, meta: KVTransfer, frames: list) -> tuple[torch.Tensor, object]:
         """A view of the payload and a release callback (or None); raise on a mismatch."""
-        if len(frames) != 1:
-            raise TransportError(f"a tcp KV transfer carries 1 payload frame, got {len(frames)}")
-        return tensor_from_buffer(meta.tensor, frames[0].buffer), None
+        expected = max(1, -(-meta.tensor.nbytes // PAYLOAD_FRAME_BYTES))
+        if len(frames) != expected:
+            raise TransportError(f"a tcp KV transfer of {meta.tensor.nbytes} bytes carries {expected} payload "
+                                 f"frames, got {len(frames)}")
+        if expected == 1:
+            return tensor_from_buffer(meta.tensor, frames[0].buffer), None
+        joined = bytearray(sum(len(f.buffer) for f in frames))
+        at = 0
+        for f in frames:
+            joined[at : at + len(f.buffer)] = f.buffer
+            at += len(f.buffer)
+        return tensor_from_buffer(meta.tensor, memoryview(joined)), None
 
     def _close_resources(self) -> None:
         """Free transport resources at close."""
@@ -383,7 +410,12 @@ class ZmqKVReceiver(KVReceiver):
         sock = self._loop.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an ack to a vanished sender raises, not hangs
-        sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)
+        if self.auth.secure:  # no message of a peer before it proved the secret (handshake.py)
+            self._zap = ZapHandler(self._loop.ctx, self.auth)
+            self._loop.add_socket(self._zap.socket, self._zap.answer)
+            secure_server(sock, self.auth)
+            self._loop.add_socket(self._zap.watch(sock), self._on_handshake_failed)
         if address.startswith("tcp://") and address.endswith(":0"):
             address = address[:-2] + ":*"  # zmq's spelling of "any free port"
         try:
@@ -394,6 +426,13 @@ class ZmqKVReceiver(KVReceiver):
         self._sock = sock
         self._loop.add_socket(sock, self._on_messages)
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _on_handshake_failed(self, monitor: zmq.Socket) -> None:
+        n = ZapHandler.failed(monitor)
+        self._loop.counters["auth_rejected"] += n  # refused before any frame: reason "handshake"
+        self._loop.counters[f"auth_{HANDSHAKE_FAILED}"] += n
+        _log_bad("KV receiver %s refused %d connections: no proof of the deployment secret", self.address, n,
+                 key="auth-handshake")
 
     def _on_messages(self, sock: zmq.Socket) -> None:
         for _ in range(_BATCH):
@@ -425,6 +464,10 @@ class ZmqKVReceiver(KVReceiver):
             return self._drop(f"undecodable header: {exc}")
         if not isinstance(msg, KVTransfer):
             return self._drop(f"unexpected {type(msg).__name__} on the KV channel")
+        if msg.receiver_id and self.receiver_id and msg.receiver_id != self.receiver_id:
+            # Captured on its way to another decode worker and replayed here: not ours to answer.
+            self._loop.counters["wrong_receiver"] += 1
+            return self._drop(f"request {msg.request_id}: the transfer is for {msg.receiver_id!r}")
         rid = msg.request_id
         if rid in self._peers:
             return self._drop(f"request {rid}: a second transfer before the first was acked")

@@ -4,23 +4,27 @@ and the matcher rebuilt from the output tokens another worker produced (the P->D
 from __future__ import annotations
 
 import json
+import threading
 
 import jsonschema
 import pytest
 import torch
 
+import pdserve.text.grammar as grammar_module
 from pdserve.engine.engine import RequestRejected
 from pdserve.engine.llm import LLM
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import Sampler
 from pdserve.protocol.sampling import SamplingParams, StructuredOutput
 from pdserve.text.grammar import (
+    MAX_PROPERTIES,
     MAX_SCHEMA_DEPTH,
     GrammarCompiler,
     GrammarError,
     bracket_depth,
     check_limits,
     json_depth,
+    schema_meaning,
 )
 from tests.helpers.tiny_llama import default_tokenizer
 
@@ -75,6 +79,49 @@ def test_limits_measure_depth_without_recursion():
 def test_check_limits_refuses_with_a_grammar_error(spec):
     with pytest.raises(GrammarError):
         check_limits(spec)
+
+
+def wide_schema(n: int, **extra) -> StructuredOutput:
+    """An object of `n` optional properties (the issue's repro: 3,000 of them, ~30 KB)."""
+    schema = {"type": "object", "properties": {f"p{i}": {} for i in range(n)}, **extra}
+    return StructuredOutput("json_schema", json.dumps(schema, separators=(",", ":")))
+
+
+def test_an_object_with_more_properties_than_the_limit_is_refused_before_compiling(compiler, monkeypatch):
+    spec = wide_schema(3000)
+    assert 28_000 < len(spec.spec) < 34_000
+    monkeypatch.setattr(grammar_module, "_grammar_of", lambda *a: pytest.fail("compiled"))
+    with pytest.raises(GrammarError, match=f"3000 properties; the limit is {MAX_PROPERTIES}"):
+        compiler.compile(spec)
+
+
+def test_an_object_at_the_property_limit_compiles_and_steps(compiler):
+    """What the edge accepts works on the worker too: not only the first mask, every step."""
+    m = compiler.compile(wide_schema(MAX_PROPERTIES))
+    for token in default_tokenizer().encode('{"p5":1,"p7":2,"p200":3}'):
+        m.allowed_bitmask()
+        assert m.advance(token), m.error
+    assert m.error is None
+
+
+def test_annotations_do_not_defeat_the_compile_cache(monkeypatch):
+    compiler = GrammarCompiler(default_tokenizer())
+    compiled = []
+    real = grammar_module._grammar_of
+    monkeypatch.setattr(grammar_module, "_grammar_of", lambda spec, value: compiled.append(value) or real(spec, value))
+    compiler.compile(wide_schema(3, title="A", description="first"))
+    m = compiler.compile(wide_schema(3, title="B", **{"$comment": "second"}))
+    assert len(compiled) == 1 and "title" not in compiled[0]
+    compiler.compile(wide_schema(4))  # another meaning compiles
+    assert len(compiled) == 2 and m.advance(default_tokenizer().encode("{")[0])
+
+
+def test_schema_meaning_drops_annotations_only_where_a_keyword_stands():
+    schema = {"title": "t", "type": "object", "description": "d",
+              "properties": {"title": {"type": "string", "description": "the title"}},
+              "anyOf": [{"title": "x", "type": "object"}], "enum_like": {"title": "kept"}}
+    assert schema_meaning(schema) == {"type": "object", "properties": {"title": {"type": "string"}},
+                                      "anyOf": [{"type": "object"}], "enum_like": {"title": "kept"}}
 
 
 def test_compiled_matchers_are_independent(compiler):
@@ -167,12 +214,57 @@ def test_unsatisfiable_grammar_ends_with_an_error_not_at_max_tokens(llm):
     assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 5
 
 
+def run_to_end(engine) -> dict[str, list]:
+    """Step until the engine holds nothing; every output by request id."""
+    outs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
 def test_a_bad_constraint_is_rejected_by_the_engine_not_raised_past_it(llm):
+    # Compiled off the loop: the rejection is the request's own error output, not an exception.
     bad = SamplingParams(max_tokens=5, structured=StructuredOutput("regex", "(unclosed"))
-    with pytest.raises(RequestRejected) as err:
-        llm.engine.add_request("bad", [1, 2, 3], bad)
-    assert err.value.param == "structured"
+    llm.engine.add_request("bad", [1, 2, 3], bad)
+    (out,) = run_to_end(llm.engine)["bad"]
+    assert out.finish_reason == "error" and out.error.startswith("structured: invalid structured output")
     assert not llm.engine.has_unfinished()
+
+
+def test_a_constraint_compiles_off_the_engine_loop_while_other_requests_run(llm, monkeypatch):
+    engine = llm.engine
+    release = threading.Event()
+    compile_ = engine.grammars.compile
+
+    def slow_compile(spec):  # a compile that lasts until the test says so
+        release.wait(30)
+        return compile_(spec)
+
+    monkeypatch.setattr(engine.grammars, "compile", slow_compile)
+    engine.add_request("free", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4))
+    spec = StructuredOutput("regex", "[0-9]{3}")  # not compiled before in this module
+    engine.add_request("held", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8, structured=spec))
+    tokens: dict[str, int] = {}
+    for _ in range(4):  # the unconstrained request runs to its end while the other compiles
+        for o in engine.step():
+            tokens[o.request_id] = tokens.get(o.request_id, 0) + len(o.new_token_ids)
+    assert tokens == {"free": 4} and "held" in engine.scheduler.compiling
+    release.set()
+    outs = run_to_end(engine)["held"]
+    assert outs[-1].finish_reason == "stop" and sum(len(o.new_token_ids) for o in outs) == 3
+
+
+def test_a_request_aborted_while_compiling_ends_and_frees_nothing_twice(llm, monkeypatch):
+    engine = llm.engine
+    release = threading.Event()
+    compile_ = engine.grammars.compile
+    monkeypatch.setattr(engine.grammars, "compile", lambda spec: (release.wait(30), compile_(spec))[1])
+    spec = StructuredOutput("regex", "[a-c]{2}")
+    engine.add_request("gone", [1, 2], SamplingParams(max_tokens=4, structured=spec))
+    assert [o.finish_reason for o in engine.abort(["gone"])] == ["abort"]
+    release.set()
+    assert not engine.has_unfinished() and run_to_end(engine) == {}
 
 
 def test_resuming_from_generated_tokens_continues_exactly(llm):
@@ -193,6 +285,10 @@ def test_resuming_from_generated_tokens_continues_exactly(llm):
 
 def test_tokens_off_the_grammar_are_refused_on_resume(llm):
     sp = SamplingParams(temperature=0, max_tokens=10, structured=StructuredOutput("regex", "[0-9]+"))
+    llm.engine.add_request("off", [1, 2], sp, output_token_ids=default_tokenizer().encode("abc"))
+    (out,) = run_to_end(llm.engine)["off"]  # compiled off the loop: refused when it is ready
+    assert out.finish_reason == "error" and out.error.startswith("output_token_ids: ")
+    # Compiled before (a cache hit): refused at once, as a rejection of the request.
     with pytest.raises(RequestRejected) as err:
-        llm.engine.add_request("off", [1, 2], sp, output_token_ids=default_tokenizer().encode("abc"))
+        llm.engine.add_request("off2", [1, 2], sp, output_token_ids=default_tokenizer().encode("abc"))
     assert err.value.param == "output_token_ids"

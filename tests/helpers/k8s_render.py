@@ -8,7 +8,7 @@ names become 127.0.0.1, and every container port of every replica is remapped to
 port (so two replicas of one Deployment can run side by side). A worker's `dns://NAME:PORT`
 becomes what NAME resolves to in a cluster: every selected replica for a headless Service (a
 comma-separated list of tcp:// addresses), the one Service address otherwise. The result is what
-tests/test_k8s_processes.py starts with `.venv/bin/pdserve`.
+tests/k8s/test_processes.py starts with `.venv/bin/pdserve`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ _HOST_PORT = re.compile(r"(?P<host>[A-Za-z0-9_.\-]+):(?P<port>\d+)")
 _DNS_ADDRESS = re.compile(r"^dns://(?P<host>[A-Za-z0-9_.\-]+):(?P<port>\d+)$")
 _WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 _LOCAL_SECRET = secrets.token_hex(32)
+# The Secrets docs/kubernetes.md has the operator create before the manifests are applied (the
+# manifests ship none), stood in for with a random deployment secret per test session.
+OPERATOR_SECRETS: dict[str, dict[str, str]] = {"pdserve-internal": {"secret": _LOCAL_SECRET}}
 
 
 def kubectl() -> str:
@@ -111,9 +114,12 @@ class _Replica:
 def _decode_secret(secret: dict[str, Any]) -> dict[str, str]:
     data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
     data.update(secret.get("stringData") or {})
-    # The base's placeholder deployment secret is refused by every process: stand in for the
-    # operator who replaces it (k8s/base/internal-secret.yaml) with a random one per rendering.
-    return {k: _LOCAL_SECRET if v.startswith("REPLACE-ME") else v for k, v in data.items()}
+    return data
+
+
+def _secrets(objects: list[dict[str, Any]], operator: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+    """The Secrets a pod can read: those the operator created, then any the manifests define."""
+    return {**operator, **{o["metadata"]["name"]: _decode_secret(o) for o in objects_of_kind(objects, "Secret")}}
 
 
 def _expand(value: str, env: dict[str, str]) -> str:
@@ -211,6 +217,7 @@ def _field_ref(path: str, replica: _Replica, pod_ip: str) -> str:
         "status.hostIP": pod_ip,
         "spec.nodeName": LOCAL_NODE_NAME,
         "metadata.name": f"{meta['name']}-{replica.index}",
+        "metadata.uid": f"uid-{meta['name']}-{replica.index}",
         "metadata.namespace": meta.get("namespace", "default"),
         "spec.serviceAccountName": "default",
     }
@@ -268,17 +275,20 @@ def local_process_specs(
     pdserve: str,
     replicas: dict[str, int] | None = None,
     port_allocator: Callable[[], int] = free_port,
+    operator_secrets: dict[str, dict[str, str]] = OPERATOR_SECRETS,
 ) -> list[ProcessSpec]:
     """Every container of every replica of the rendered workloads, as local process specs.
 
     `replicas` overrides a workload's `spec.replicas` by name. The container's `pdserve` command
-    becomes `pdserve` (a path). Specs come in manifest order, replicas in index order.
+    becomes `pdserve` (a path). Specs come in manifest order, replicas in index order. A pod that
+    reads a Secret neither `operator_secrets` nor the manifests define raises KeyError (a kubelet
+    would not start it).
     """
     config_maps = {
         o["metadata"]["name"]: dict(o.get("data") or {})
         for o in objects_of_kind(objects, "ConfigMap")
     }
-    secrets = {o["metadata"]["name"]: _decode_secret(o) for o in objects_of_kind(objects, "Secret")}
+    secrets = _secrets(objects, operator_secrets)
     workloads = [o for o in objects if o["kind"] in _WORKLOAD_KINDS]
     taken: set[int] = set()
 
@@ -316,9 +326,14 @@ def local_process_specs(
 
 
 def pod_env(
-    objects: list[dict[str, Any]], workload_name: str, *, pod_ip: str = "10.0.0.7"
+    objects: list[dict[str, Any]],
+    workload_name: str,
+    *,
+    pod_ip: str = "10.0.0.7",
+    operator_secrets: dict[str, dict[str, str]] = OPERATOR_SECRETS,
 ) -> dict[str, str]:
-    """The env the first container of a workload gets in a cluster (ports as declared)."""
+    """The env the first container of a workload gets in a cluster (ports as declared), with the
+    Secrets in `operator_secrets` created."""
     workload = next(
         o
         for o in objects
@@ -336,7 +351,7 @@ def pod_env(
         o["metadata"]["name"]: dict(o.get("data") or {})
         for o in objects_of_kind(objects, "ConfigMap")
     }
-    secrets = {o["metadata"]["name"]: _decode_secret(o) for o in objects_of_kind(objects, "Secret")}
+    secrets = _secrets(objects, operator_secrets)
     return _container_env(containers[0], replica, config_maps, secrets, pod_ip)
 
 

@@ -8,14 +8,25 @@ against the Kubernetes OpenAPI schemas it ships, and the assertions read the ren
 
 from __future__ import annotations
 
+import argparse
 import copy
+import itertools
 import re
 from typing import Any
 
 import kubernetes_validate
 import pytest
 
+from pdserve.config import envs
+from pdserve.config.engine import ConfigError
+from pdserve.config.router import router_config
+from pdserve.protocol.block_hash import hash_blocks
+from pdserve.protocol.messages import Register
+from pdserve.router.cli import add_arguments as add_router_cli_arguments
+from pdserve.router.registry import Registry
+from tests.helpers.fake_worker import FINGERPRINT
 from tests.helpers.k8s_render import (
+    OPERATOR_SECRETS,
     REPO,
     get_object,
     labels_match,
@@ -458,17 +469,113 @@ def test_gpu_overlay_requests_one_gpu_per_worker_in_bfloat16(gpu):
     assert "nvidia.com/gpu" not in router["resources"]["limits"]
 
 
-def test_gpu_overlay_offers_cuda_ipc_between_workers_of_one_node(gpu):
+def test_gpu_overlay_offers_between_pods_only_what_works_between_pods(gpu):
+    # Each pod has its own GPU, IPC namespace and /dev/shm: CUDA IPC and shm cannot cross pods.
     assert pod_env(gpu, "pdserve-router")["PDSERVE_KV_TRANSPORT"] == "auto"
     for name in WORKERS:
         env = pod_env(gpu, name)
-        assert env["PDSERVE_KV_TRANSPORT"].split(",") == ["cuda_ipc", "tcp"]
+        assert env["PDSERVE_KV_TRANSPORT"].split(",") == ["tcp"]
         host_id = next(
             e
             for e in _containers(get_object(gpu, "Deployment", name))[0]["env"]
             if e["name"] == "PDSERVE_HOST_ID"
         )
-        assert host_id["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+        assert host_id["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
+
+
+def test_router_pairs_every_prefill_and_decode_pod_over_tcp_even_on_one_node(overlay):
+    # The translated pods stand for pods of one node (k8s_render.LOCAL_NODE_NAME); still, no
+    # pair may get a transport that needs one IPC namespace, /dev/shm or GPU set.
+    _, objs = overlay
+    specs = local_process_specs(objs, pdserve="pdserve")
+    policy = next(s for s in specs if s.component == "router").env["PDSERVE_KV_TRANSPORT"]
+
+    def register(spec) -> Register:
+        return Register(
+            worker_id=spec.name,
+            role=spec.component,
+            kv_address=f"tcp://127.0.0.1:{spec.ports['kv']}",
+            fingerprint=FINGERPRINT,
+            num_blocks=100,
+            max_model_len=4096,
+            kv_transports=tuple(spec.env["PDSERVE_KV_TRANSPORT"].split(",")),
+            host_id=spec.env["PDSERVE_HOST_ID"],
+        )
+
+    prefills = [s for s in specs if s.component == "prefill"]
+    decodes = [s for s in specs if s.component == "decode"]
+    for p, d in itertools.product(prefills, decodes):
+        registry = Registry(hash_blocks, policy, True)
+        for spec in (p, d):
+            assert registry.register(register(spec), 0.0) == (None, None)
+        route = registry.pick("r", list(range(4 * FINGERPRINT.block_size)), 8)
+        assert (route.first, route.decode, route.kv_transport) == (p.name, d.name, "tcp")
+
+
+# --- secrets --------------------------------------------------------------------------------
+
+
+def _secret_refs(objs: list[dict[str, Any]]) -> dict[tuple[str, str], bool]:
+    """(Secret name, key) -> optional, for every secretKeyRef of every container."""
+    refs: dict[tuple[str, str], bool] = {}
+    for w in _workloads(objs):
+        for c in _containers(w):
+            assert not [s for s in c.get("envFrom") or [] if "secretRef" in s]
+            for e in c.get("env") or []:
+                ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+                if ref:
+                    refs[(ref["name"], ref["key"])] = bool(ref.get("optional"))
+    return refs
+
+
+def test_applying_the_manifests_never_overwrites_a_secret(overlay):
+    _, objs = overlay
+    assert objects_of_kind(objs, "Secret") == []
+    assert _secret_refs(objs)[("pdserve-internal", "secret")] is False  # required, not shipped
+
+
+def test_no_pod_starts_without_the_deployment_secret(cpu):
+    with pytest.raises(KeyError, match="pdserve-internal"):
+        local_process_specs(cpu, pdserve="pdserve", operator_secrets={})
+    for name in WORKLOADS:
+        with pytest.raises(KeyError, match="pdserve-internal"):
+            pod_env(cpu, name, operator_secrets={})
+
+
+def test_kubernetes_md_creates_every_secret_the_pods_read(overlay):
+    _, objs = overlay
+    text = (REPO / "docs" / "kubernetes.md").read_text()
+    created = set(re.findall(r"kubectl -n pdserve create secret generic (\S+) --from-literal=([\w.-]+)=", text))
+    assert set(_secret_refs(objs)) <= created
+    assert "kubectl apply -k" in text and "internal-secret.yaml" not in text
+
+
+def _router_config_in(env: dict[str, str], monkeypatch: pytest.MonkeyPatch):
+    """The router's configuration as `pdserve router` builds it in a pod with this env."""
+    for name in list(envs.registered()):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    p = argparse.ArgumentParser()
+    add_router_cli_arguments(p)
+    return router_config(p.parse_args([]))
+
+
+def test_router_refuses_to_start_without_the_api_key_secret(overlay, monkeypatch):
+    _, objs = overlay
+    env = pod_env(objs, "pdserve-router")
+    assert "PDSERVE_API_KEY" not in env
+    with pytest.raises(ConfigError, match="no API key"):
+        _router_config_in(env, monkeypatch)
+
+
+def test_router_starts_with_the_api_key_secret_or_the_explicit_opt_out(overlay, monkeypatch):
+    _, objs = overlay
+    with_key = pod_env(objs, "pdserve-router", operator_secrets={**OPERATOR_SECRETS, "pdserve-api-key": {"api-key": "k"}})
+    assert _router_config_in(with_key, monkeypatch).api_key == "k"
+    opted_out = {**pod_env(objs, "pdserve-router"), "PDSERVE_ALLOW_UNAUTHENTICATED": "true"}
+    config = _router_config_in(opted_out, monkeypatch)
+    assert (config.api_key, config.allow_unauthenticated) == (None, True)
 
 
 # --- images ---------------------------------------------------------------------------------
@@ -493,7 +600,7 @@ def test_image_copies_every_package_of_the_project(dockerfile):
     assert packages <= copied
 
 
-# --- translation to local processes (what tests/test_k8s_processes.py runs) -------------------
+# --- translation to local processes (what tests/k8s/test_processes.py runs) -------------------
 
 
 def test_cpu_overlay_translates_to_two_routers_two_prefill_two_decode(cpu):

@@ -1,6 +1,6 @@
 """The cpu overlay's containers, run as local processes, serve chat and survive a lost decode.
 
-tests/k8s_render.py turns each container of `kubectl kustomize k8s/overlays/cpu` into a
+tests/helpers/k8s_render.py turns each container of `kubectl kustomize k8s/overlays/cpu` into a
 process spec (ConfigMap envFrom resolved, pod IP and Service names -> 127.0.0.1, ports
 remapped; the headless Service the workers dial becomes every router's address). This module
 starts two routers, two prefill and two decode workers from those specs with `.venv/bin/pdserve`,

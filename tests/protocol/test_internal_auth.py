@@ -14,6 +14,8 @@ import zmq
 
 from pdserve.config.engine import ConfigError
 from pdserve.config.worker import resolve_secret
+from pdserve.kvtransfer.transport import tcp
+from pdserve.kvtransfer.transport.handshake import secure_client
 from pdserve.kvtransfer.transport.tcp import TcpKVReceiver, TcpKVSender
 from pdserve.protocol.auth import (
     BAD_MAC,
@@ -114,12 +116,19 @@ def test_a_frame_older_than_the_window_is_refused():
 PATIENT = 10.0
 
 
+def holds_the_handshake_keys(sock: zmq.Socket) -> None:
+    """The peers below get past the connection handshake, so the frame layer behind it is what
+    refuses them (a peer without the secret never gets that far: tests/protocol/test_handshake.py)."""
+    secure_client(sock, FrameAuth.from_secret(SECRET))
+
+
 def test_registration_without_a_mac_is_refused_and_gets_no_work():
     with RouterHarness(auth=FrameAuth.from_secret(SECRET), heartbeat_timeout=PATIENT) as h:
         good = h.worker("good-0")
         rogue = zmq.Context.instance().socket(zmq.DEALER)
         rogue.setsockopt(zmq.IDENTITY, b"rogue-0")
         rogue.setsockopt(zmq.LINGER, 0)
+        holds_the_handshake_keys(rogue)
         rogue.connect(h.control_address)
         reg = Register(worker_id="rogue-0", role="colocated", kv_address="", fingerprint=FINGERPRINT,
                        num_blocks=10_000, max_model_len=4096)
@@ -133,7 +142,10 @@ def test_registration_without_a_mac_is_refused_and_gets_no_work():
         rogue.close()
 
 
-def test_registration_with_a_wrong_mac_is_refused_and_gets_no_work():
+def test_registration_with_a_wrong_mac_is_refused_and_gets_no_work(monkeypatch):
+    from pdserve.worker import router_link
+
+    monkeypatch.setattr(router_link, "secure_client", lambda sock, auth: holds_the_handshake_keys(sock))
     with RouterHarness(auth=FrameAuth.from_secret(SECRET), heartbeat_timeout=PATIENT) as h:
         good = h.worker("good-0")
         rogue = FakeWorker(h.control_address, "rogue-1", auth=FrameAuth.from_secret(OTHER))
@@ -151,6 +163,7 @@ def test_a_replayed_control_frame_is_refused():
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, b"w-replay")
         sock.setsockopt(zmq.LINGER, 0)
+        holds_the_handshake_keys(sock)
         sock.connect(h.control_address)
         reg = Register(worker_id="w-replay", role="colocated", kv_address="", fingerprint=FINGERPRINT,
                        num_blocks=10, max_model_len=100)
@@ -174,7 +187,8 @@ def test_a_worker_of_another_model_is_refused_with_the_reason():
 # --- the KV channel ----------------------------------------------------------------------------
 
 
-def test_kv_from_an_unauthenticated_sender_is_dropped_undecoded():
+def test_kv_from_an_unauthenticated_sender_is_dropped_undecoded(monkeypatch):
+    monkeypatch.setattr(tcp, "secure_client", lambda sock, auth: holds_the_handshake_keys(sock))
     with TcpKVReceiver("tcp://127.0.0.1:0", auth=FrameAuth.from_secret(SECRET)) as receiver, \
             TcpKVSender(lease_s=0.5, auth=FrameAuth(None)) as rogue, \
             TcpKVSender(lease_s=5.0, auth=FrameAuth.from_secret(SECRET)) as good:

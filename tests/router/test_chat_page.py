@@ -1,6 +1,6 @@
 """The chat page's files as the router serves them, and the route it reads from each answer: the
 x-pdserve-* headers and the stream's closing `: pdserve served-by` comment (router/served_by.py).
-Scripted workers; the page in a browser is tests/test_chat_page_browser.py."""
+Scripted workers; the page in a browser is tests/router/test_chat_page_browser.py."""
 
 from __future__ import annotations
 

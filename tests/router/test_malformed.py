@@ -107,7 +107,7 @@ CASES = [
     ("stream_options without stream", C, chat(stream_options={"include_usage": True}), None, 400, "stream_options", None),
     ("prompt over context", C, chat(messages=[{"role": "user", "content": "x" * 80}]), None, 400, "messages", "context_length_exceeded"),
     # --- fields pdserve does not honour
-    # --- tools (the rest of their checks: tests/test_router_tools.py)
+    # --- tools (the rest of their checks: tests/router/test_tools.py)
     ("tool not a function", C, chat(tools=[{"type": "code_interpreter"}]), None, 400, "tools[0].type", None),
     ("tool name with spaces", C, chat(tools=[{"type": "function", "function": {"name": "f g"}}]), None, 400, "tools[0].function.name", None),
     ("tool_choice auto without tools", C, chat(tool_choice="auto"), None, 400, "tool_choice", None),

@@ -18,6 +18,7 @@ import zmq
 from pdserve.engine.kv_cache import gather_blocks
 from pdserve.engine.llm import LLM
 from pdserve.kvtransfer.tensors import describe
+from pdserve.kvtransfer.transport.handshake import secure_client
 from pdserve.protocol.auth import KV_TO_DECODE, FrameAuth
 from pdserve.protocol.codec import decode, encode
 from pdserve.protocol.messages import KVAck, KVTransfer, ModelFingerprint
@@ -163,6 +164,9 @@ def test_hostile_frames_on_every_zmq_port_are_refused_and_service_continues(disa
         for data in payloads:
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 2000)  # deliver before the socket goes
+            # Past the connection handshake, so that each frame meets the MAC check (a peer without
+            # the secret never gets this far: tests/service/test_unauthenticated_memory.py).
+            secure_client(s, FrameAuth.from_secret(disagg.secret.encode()))
             s.connect(f"tcp://127.0.0.1:{port}")
             s.send(data)
             s.send_multipart([data, b"extra frame"])
@@ -196,6 +200,7 @@ def test_flipped_byte_in_kv_payload_is_detected_and_never_decoded(disagg, tiny):
     raw[1234] ^= 0x01
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    secure_client(s, FrameAuth.from_secret(disagg.secret.encode()))  # a holder of the secret
     s.connect(f"tcp://127.0.0.1:{disagg.proc('decode-0').kv_port}")
     # Signed with the deployment's secret: the checksum, not the MAC, is what catches it here.
     s.send_multipart(FrameAuth.from_secret(disagg.secret.encode()).seal(KV_TO_DECODE, [encode(meta), bytes(raw)]))

@@ -186,3 +186,28 @@ def test_an_empty_loop_polls_at_the_long_idle_sleep(colocated, monkeypatch):
     in_window = [t for t in polls if start <= t < start + window]
     assert 10 < len(in_window) <= window / IDLE_EMPTY_SLEEP_S + 5  # at 0.5 ms sleeps it would be ~1,000
     assert len(in_window) < window / IDLE_SLEEP_S / 4
+
+
+def test_an_out_of_vocabulary_output_token_fails_only_its_request_on_a_colocated_worker(colocated, tiny):
+    vocab = tiny.config.vocab_size
+    colocated._handle(GenerateRequest(request_id="good", token_ids=(1, 2, 3), sampling=GREEDY))
+    colocated._handle(GenerateRequest(request_id="oov", token_ids=(1, 2, 3), sampling=GREEDY,
+                                      output_token_ids=(4, vocab + 7)))
+    assert errors_of(colocated) == {"oov": f"output_token_ids: token ids must be in [0, {vocab})"}
+    colocated._pending_events.clear()
+    while colocated.engine.has_unfinished():
+        colocated._publish(colocated.engine.step())
+    assert not errors_of(colocated)
+    assert sum(len(e.token_ids) for e in colocated._pending_events if e.request_id == "good") == GREEDY.max_tokens
+
+
+def test_an_out_of_vocabulary_output_token_in_a_transfer_is_refused_and_the_others_decode(decode, tiny):
+    fp = model_fingerprint(CFG, tiny)
+    decode._arrived(transfer("oov", [1, 2, 3], [-1], 3, fp))
+    decode._arrived(transfer("good", [1, 2, 3], [4], 3, fp))
+    assert decode.acks == [("oov", False, f"token ids must be in [0, {tiny.config.vocab_size})")]
+    assert "oov" in errors_of(decode) and decode.engine.request_ids() == ["good"]
+    decode._pending_events.clear()
+    while decode.engine.has_unfinished():
+        decode._publish(decode.engine.step())
+    assert not errors_of(decode)
