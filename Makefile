@@ -33,10 +33,14 @@ chat: $(STAMP)          ## one chat answer from the default model, offline
 test: $(STAMP)          ## the CI test suite
 	$(BIN)/python -m pytest -q --durations=15
 
-# The unit and component tests: no whole deployments (tests/service, the k8s containers) and
-# nothing marked slow (the real SmolLM2, long runs).
+# The unit and component tests, on two workers (about 1.5 minutes on 2 cores): no whole deployments (tests/service, the k8s
+# containers, pdserve up with faults, fencing), no Triton interpreter, nothing marked slow (the
+# real SmolLM2, wheel and kernel builds, the browser).
+FAST_SKIP := tests/service tests/k8s/test_processes.py tests/kvtransfer/test_kv_faults.py \
+             tests/worker/test_fencing.py tests/kernels/test_triton.py \
+             tests/kernels/test_triton_elementwise.py tests/model/test_triton_model.py
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" --ignore=tests/service --ignore=tests/k8s/test_processes.py
+	$(BIN)/python -m pytest -q -n 2 -m "not slow" $(addprefix --ignore=,$(FAST_SKIP))
 
 # Static checks over the tree as it is: pdserve/<folder> links to each top-level folder.
 lint: $(STAMP)

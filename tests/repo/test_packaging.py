@@ -89,6 +89,7 @@ def test_no_folder_is_importable_under_its_bare_name_from_the_checkout_root(name
         assert out.returncode != 0 and "ModuleNotFoundError" in out.stderr, f"{name}.{module} imported"
 
 
+@pytest.mark.slow  # builds the wheel
 def test_the_wheel_holds_every_package_under_pdserve_and_nothing_else(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
@@ -107,6 +108,7 @@ def install_wheel(wheel: Path, tmp_path: Path) -> Path:
     return target
 
 
+@pytest.mark.slow  # builds the wheel
 def test_the_wheel_holds_the_chat_page_and_the_installed_router_serves_it(wheel, tmp_path):
     static = sorted(p.name for p in (ROOT / "router" / "static").iterdir())
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -118,6 +120,7 @@ def test_the_wheel_holds_the_chat_page_and_the_installed_router_serves_it(wheel,
     assert run_python(code, tmp_path, "-S", "-I").split() == static
 
 
+@pytest.mark.slow  # builds the wheel
 def test_the_wheel_holds_the_cpu_kernel_sources_where_the_builder_looks(wheel, tmp_path):
     sources = sorted(p.name for p in (ROOT / "kernels" / "csrc").glob("*.cpp"))
     assert sources, "kernels/csrc holds the CPU kernels"
@@ -128,6 +131,7 @@ def test_the_wheel_holds_the_cpu_kernel_sources_where_the_builder_looks(wheel, t
     assert run_python(code, tmp_path, "-S", "-I").split() == sources
 
 
+@pytest.mark.slow  # builds the wheel
 def test_the_installed_wheel_imports_from_its_own_files(wheel, tmp_path):
     """Installed (no checkout on the path, no editable finder), `pdserve.*` resolves inside site."""
     target = install_wheel(wheel, tmp_path)

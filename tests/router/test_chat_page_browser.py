@@ -17,7 +17,7 @@ from tests.helpers.browser import find_chromium, headless_chromium
 from tests.helpers.fake_worker import FakeTokenizer, RouterHarness, toks
 from tests.helpers.service_harness import Cluster
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # a real deployment and a browser
 
 TEXT = "Hello world, the END is near"
 MAX_TOKENS = 12
