@@ -48,3 +48,23 @@ def tiny(tiny_dir):
 # Triton decides compiled vs interpreted when it is first imported: without CUDA, interpret.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """SmolLM2's tokenizer, read without the weights."""
+    from tests.helpers.tiny_llama import default_tokenizer
+
+    return default_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    """transformers' tokenizer of the same GGUF: the oracle."""
+    from transformers import AutoTokenizer
+
+    from pdserve.text.model_files import default_gguf_path
+
+    path = default_gguf_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+

@@ -12,9 +12,8 @@ from hypothesis import strategies as st
 
 import pdserve.text.chat_template as chat_template_module
 from pdserve.text.detokenizer import IncrementalDetokenizer
-from pdserve.text.model_files import default_gguf_path
 from pdserve.text.tokenizer import Tokenizer
-from tests.helpers.tiny_llama import default_tokenizer, make_tiny_llama_dir
+from tests.helpers.tiny_llama import make_tiny_llama_dir
 
 TEXTS = [
     "Hello, world!",
@@ -63,19 +62,6 @@ CONVERSATIONS = {
         {"role": "user", "content": "c"},
     ],
 }
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return default_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def hf_tok():
-    from transformers import AutoTokenizer
-
-    path = default_gguf_path()
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
 @pytest.fixture(scope="module")
