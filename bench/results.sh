@@ -4,8 +4,8 @@
 #   bash bench/results.sh [OUT_DIR]        (about 45 minutes on 2 CPU cores with the peers)
 # The machine kind comes from /proc/cpuinfo: amx (AMX-BF16), avx512-bf16 (AVX512-BF16, no AMX),
 # avx512 (AVX-512F) or avx2. The raw run goes to OUT_DIR (default bench/results/<kind>, ignored by
-# git); `python -m pdserve.bench.results_page` then copies each stage's summary and the picture
-# the page shows into docs/results/<kind>/<stage>/ and renders the kind's section from them.
+# git); `python -m pdserve.bench.results_page` then renders each stage into its block of the
+# kind's section of docs/results.md and copies the picture it shows into docs/results/<kind>/<stage>/.
 # Peers: vLLM's CPU build and llama.cpp's llama-server join every table when
 # `bash ../shared/peers/setup.sh` has installed them (PEERS_DIR, default ~/.cache/pdserve-peers;
 # PEERS_SCRIPTS, default ../shared/peers). bfloat16 rows (pdserve and vLLM) are added only on a

@@ -4,13 +4,12 @@
     python -m pdserve.bench.results_page --kind amx --run-dir bench/results/amx [--stages saturation]
 
 `bench/results.sh` runs each stage into `RUN_DIR/<stage>/` (raw data, ignored by git) with a
-`run.json` beside it (CPU, commit, date, command), then calls this. For each stage of the run, or
-each one named, the summary the page needs (`compare.json`, every deployment's sweep as
-`sweep-<name>.json`, `run.json` and the one picture shown) replaces that stage's copy in
-`docs/results/<kind>/<stage>/`. The kind's section, between `<!-- results:<kind>:begin -->` and
-`<!-- results:<kind>:end -->`, is then rendered again from every stage stored for the kind, so a
-run of one stage keeps the other stages' tables. The rest of the page is left as it is; a kind
-without markers gets its section appended.
+`run.json` beside it (CPU, commit, date, command), then calls this. Each stage of the run, or each
+one named, is rendered into its own block of the kind's section (between
+`<!-- results:<kind>:<stage>:begin -->` and `...:end -->`), and only the one picture the block
+shows is copied into `docs/results/<kind>/<stage>/`: the table is the page's record of the run, the
+raw data stays in git history or in the run folder. A run of one stage leaves the kind's other
+blocks as they are; a kind without markers gets its section appended.
 
 Ratios against a peer are of the rounded figures the table shows, so a reader can check them;
 a row is compared with the peer of its dtype (rows named `*-bf16` run bfloat16).
@@ -62,8 +61,16 @@ MIN_BASE = 0.1
 Summary = dict[str, Any]
 
 
-def _markers(kind: str) -> tuple[str, str]:
-    return f"<!-- results:{kind}:begin -->", f"<!-- results:{kind}:end -->"
+def _markers(kind: str, stage: str | None = None) -> tuple[str, str]:
+    name = kind if stage is None else f"{kind}:{stage}"
+    return f"<!-- results:{name}:begin -->", f"<!-- results:{name}:end -->"
+
+
+def _between(text: str, begin: str, end: str) -> str | None:
+    """What `text` holds from `begin` to `end`, both included; None where it has no such block."""
+    start = text.find(begin)
+    stop = text.find(end, start)
+    return None if start < 0 or stop < 0 else text[start:stop + len(end)]
 
 
 def _ms(v: float) -> str:
@@ -146,55 +153,46 @@ def _table(stage: Stage, results: dict[str, Summary], sweeps: dict[str, dict]) -
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def render_stage(stage: Stage, stored: Path, link: str) -> str:
-    """One stage's subsection from its stored summary; `link` is its folder as the page sees it."""
-    results = json.loads((stored / "compare.json").read_text())["deployments"]
-    sweeps = {n: json.loads(p.read_text()) for n in results if (p := stored / f"sweep-{n}.json").exists()}
-    run = json.loads((stored / "run.json").read_text())
+def render_stage(stage: Stage, src: Path, kind: str, link: str) -> str:
+    """One stage's block, markers included, from its run folder (compare's output and run.json);
+    `link` is the folder of its picture as the page sees it."""
+    results = json.loads((src / "compare.json").read_text())["deployments"]
+    sweeps = {n: json.loads(p.read_text()) for n in results if (p := src / n / "sweep" / "sweep.json").exists()}
+    run = json.loads((src / "run.json").read_text())
     slo: dict[str, float] = next((s["slo"] for s in results.values() if s.get("slo")), {})
-    text = [f"### {stage.title}", "",
+    begin, end = _markers(kind, stage.name)
+    text = [begin, f"### {stage.title}", "",
             f"`{run['command']}` at `{run['commit']}`, {run['date']}, on {run['cpu']} ({run['cores']} cores)."
             + (" SLO per request: " + ", ".join(_limit(k, v) for k, v in slo.items()) + "." if slo else ""),
             "", _table(stage, results, sweeps)]
-    if (stored / stage.picture).exists():
+    if (src / stage.picture).exists():
         text += ["", f"![{stage.name}]({link}/{stage.picture})"]
-    return "\n".join(text)
+    return "\n".join([*text, end])
 
 
-def render_section(kind: str, store: Path, link: str) -> str:
-    """The kind's whole section, markers included, from every stage stored under `store`."""
+def replace_section(page: str, kind: str, blocks: dict[str, str]) -> str:
+    """`page` with the kind's section holding `blocks` (stage -> block) in place of those stages'
+    blocks, every other stage's block kept, in the order of STAGES; appended where it has none."""
     begin, end = _markers(kind)
-    parts = [begin, f"## {KINDS[kind]}"]
-    for stage in STAGES:
-        if (store / stage.name / "compare.json").exists():
-            parts.append(render_stage(stage, store / stage.name, f"{link}/{stage.name}"))
-    return "\n\n".join(parts + [end])
-
-
-def replace_section(page: str, kind: str, section: str) -> str:
-    """`page` with the kind's marked section replaced by `section` (appended where it has none)."""
-    begin, end = _markers(kind)
-    start, stop = page.find(begin), page.find(end)
-    if start < 0 or stop < start:
+    old = _between(page, begin, end) or ""
+    kept = {s.name: block for s in STAGES if (block := _between(old, *_markers(kind, s.name)))}
+    merged = {**kept, **blocks}
+    section = "\n\n".join([begin, f"## {KINDS[kind]}", *(merged[s.name] for s in STAGES if s.name in merged), end])
+    if not old:
         return page.rstrip("\n") + "\n\n" + section + "\n"
-    return page[:start] + section + page[stop + len(end):]
+    return page.replace(old, section)
 
 
-def store_stage(src: Path, dest: Path, stage: Stage) -> None:
-    """Copy what the page needs of one stage's run folder into `dest`, replacing what was there."""
+def store_picture(src: Path, dest: Path, stage: Stage) -> None:
+    """The one picture the stage's block shows, in `dest`, in place of what was there."""
     shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
-    for name in ("compare.json", "run.json", stage.picture):
-        if (src / name).exists():
-            shutil.copy2(src / name, dest / name)
-    for name in json.loads((src / "compare.json").read_text())["deployments"]:
-        sweep = src / name / "sweep" / "sweep.json"
-        if sweep.exists():
-            shutil.copy2(sweep, dest / f"sweep-{name}.json")
+    if (src / stage.picture).exists():
+        dest.mkdir(parents=True)
+        shutil.copy2(src / stage.picture, dest / stage.picture)
 
 
 def publish(kind: str, run_dir: Path, page: Path, stages: Sequence[str] | None = None) -> list[str]:
-    """Store the run's stages beside `page` and rewrite the kind's section; return the stages stored."""
+    """Render the run's stages into the kind's section of `page`, their pictures beside it; return the stages."""
     if kind not in KINDS:
         raise ValueError(f"unknown machine kind {kind!r}: expected one of {', '.join(KINDS)}")
     known = {s.name: s for s in STAGES}
@@ -211,9 +209,11 @@ def publish(kind: str, run_dir: Path, page: Path, stages: Sequence[str] | None =
     store = page.parent / link
     if run_dir.resolve() == store.resolve():
         raise ValueError(f"{run_dir} is where the page keeps its copies: run into another folder (bench/results/{kind})")
+    blocks = {}
     for stage in picked:
-        store_stage(run_dir / stage.name, store / stage.name, stage)
-    page.write_text(replace_section(page.read_text(), kind, render_section(kind, store, link)))
+        store_picture(run_dir / stage.name, store / stage.name, stage)
+        blocks[stage.name] = render_stage(stage, run_dir / stage.name, kind, f"{link}/{stage.name}")
+    page.write_text(replace_section(page.read_text(), kind, blocks))
     return [s.name for s in picked]
 
 

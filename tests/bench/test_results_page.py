@@ -89,10 +89,10 @@ def test_other_kinds_sections_and_the_text_around_them_are_untouched(page, run):
     assert text.endswith(avx2)
 
 
-def test_the_summary_and_the_picture_shown_are_stored_beside_the_page(page, run):
+def test_only_the_picture_shown_is_stored_beside_the_page(page, run):
     publish("amx", run, page)
     stored = page.parent / "results" / "amx" / "saturation"
-    assert sorted(p.name for p in stored.iterdir()) == ["compare.json", "compare_throughput.png", "run.json"]
+    assert sorted(p.name for p in (page.parent / "results").rglob("*") if p.is_file()) == ["compare_throughput.png"]
     assert (stored / "compare_throughput.png").read_bytes() == PNG
 
 
@@ -105,10 +105,21 @@ def test_a_run_of_one_stage_keeps_the_other_stages_tables(page, run, tmp_path):
                  "mixed-bf16": sweep("mixed-bf16", [1.0, 1.0], [0.95, 1.55])}, commit="1fd9683")
     assert publish("amx", later, page) == ["interference"]
     text = page.read_text()
-    assert "| mixed-bf16 | 9.81 | 1.63x |" in text  # the saturation table, from the stored summary
+    assert "| mixed-bf16 | 9.81 | 1.63x |" in text  # the saturation block, kept from the page
     assert "| mixed-bf16 | 0.96 | 0.96 | 1.35x | 100% |" in text
     assert "| 100 / 100 % | 40-50 | ≥ 1.6 | 1.55 at 1.6 | 2.3x |" in text
-    assert (page.parent / "results" / "amx" / "interference" / "sweep-mixed-bf16.json").exists()
+    assert text.index("<!-- results:amx:saturation:end -->") < text.index("<!-- results:amx:interference:begin -->")
+
+
+def test_a_stage_run_again_replaces_its_own_block_only(page, run, tmp_path):
+    publish("amx", run, page)
+    again = tmp_path / "again"
+    write_stage(again, "saturation", {"vllm-bf16": summary(6.0, 0.0, 0.0), "mixed-bf16": summary(12.0, 6.0, 0.5)},
+                commit="abc1234")
+    publish("amx", again, page)
+    text = page.read_text()
+    assert "| mixed-bf16 | 12.00 | 2.00x |" in text and "| mixed-bf16 | 9.81 |" not in text
+    assert text.count("<!-- results:amx:saturation:begin -->") == 1
 
 
 def test_a_kind_without_markers_is_appended(page, tmp_path):
