@@ -136,7 +136,7 @@ class Engine:
         # Constraints compile here, never on the engine loop (a big schema takes a second): the
         # request waits in the scheduler's `compiling` until its matcher is ready.
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
-        self._compiles: dict[str, tuple[Request, Future[GrammarMatcher], list[int]]] = {}
+        self._compiles: dict[str, tuple[Future[GrammarMatcher], list[int]]] = {}  # id -> (matcher, tokens so far)
         self._saves: list[KVSave] = []
         log.info("engine up: policy=%s connector=%s model=%s blocks=%d x %d device=%s dtype=%s linears=%s",
                  policy.name, type(self.connector.scheduler).__name__, self.model_name, num_blocks,
@@ -163,8 +163,7 @@ class Engine:
             self.scheduler.add_request(req)
             return req
         self.scheduler.add_request(req, ready=False)
-        self._compiles[request_id] = (req, self._compiler.submit(self.grammars.compile, sampling.structured),
-                                      generated)
+        self._compiles[request_id] = (self._compiler.submit(self.grammars.compile, sampling.structured), generated)
         return req
 
     @staticmethod
@@ -178,12 +177,13 @@ class Engine:
         """Requests whose matcher is ready join the waiting queue; those whose constraint failed
         end with an error output (as a rejection at `add_request` would have)."""
         outputs: list[RequestOutput] = []
-        for rid, (req, future, generated) in list(self._compiles.items()):
+        for rid, (future, generated) in list(self._compiles.items()):
             if not future.done():
                 continue
             del self._compiles[rid]
-            if rid not in self.scheduler.compiling or self.scheduler.requests.get(rid) is not req:
-                continue  # aborted meanwhile
+            req = self.scheduler.compiling.get(rid)
+            if req is None:  # it ended meanwhile
+                continue
             try:
                 req.grammar = self._resumed(future.result(), generated)
             except GrammarError as exc:
@@ -223,7 +223,7 @@ class Engine:
         for rid in request_ids:
             pending = self._compiles.pop(rid, None)
             if pending is not None:
-                pending[1].cancel()  # if it has not started; a started compile just finishes
+                pending[0].cancel()  # if it has not started; a started compile just finishes
         done = self.scheduler.abort(request_ids)
         return [RequestOutput(r.request_id, [], "abort", num_prompt_tokens=r.num_prompt_tokens) for r in done]
 

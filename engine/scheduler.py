@@ -317,8 +317,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus, meta: KVConnectorMetadata) -> None:
         if req in self.running:
             self.running.remove(req)
-        elif self.compiling.pop(req.request_id, None) is not None:
-            pass
+        elif req.request_id in self.compiling:
+            del self.compiling[req.request_id]
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
         self.policy.on_finish(req)
