@@ -14,7 +14,17 @@ Index ranges of one sequence b with q_len = cu[b+1] - cu[b] and ctx = seq_lens[b
     positions  0 ............ ctx-q_len-1 | ctx-q_len ........ ctx-1
                cached prefix (in cache)   | new tokens (query rows, also written to cache)
 
-Query row i (absolute position ctx-q_len+i) attends to keys 0 .. ctx-q_len+i inclusive.
+Query row i (absolute position p = ctx-q_len+i) attends to keys 0 .. p inclusive, or with a
+sliding window W > 0 (Gemma 3's local layers; transformers' `kv_idx > q_idx - sliding_window`)
+to the last W of them, itself included:
+
+    keys       0 ....... p-W | p-W+1 ........ p | p+1 ...
+               not attended  | attended (W keys) | future
+
+`window=0` is plain causal attention, and so is any window of at least p+1 keys. A decode query
+is row ctx-1 and sees positions max(0, ctx-W) .. ctx-1. Blocks wholly before the first query
+row's window are not read: their table entries may be stale or -1, as after an engine freed them
+(`window_first_block` in kernels/reference.py).
 `store_kv` runs before attention, so every key a query needs is in the cache.
 """
 
@@ -53,8 +63,10 @@ class AttentionBackend(ABC):
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
-        """Causal variable-length attention of packed queries over cached prefix + new tokens.
+        """Causal variable-length attention of packed queries over cached prefix + new tokens,
+        each query over its last `window` keys where window > 0 (see the module docstring).
 
         `key`/`value` are this step's new tokens (already stored in the cache); a backend may
         read them directly instead of from the cache. Returns [T, Hq, D] in q's dtype.
@@ -69,8 +81,10 @@ class AttentionBackend(ABC):
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
-        """One query token per sequence (q is [B, Hq, D]) against its paged KV. Returns [B, Hq, D]."""
+        """One query token per sequence (q is [B, Hq, D]) against its paged KV, its last `window`
+        positions only where window > 0. Returns [B, Hq, D]."""
 
     def compiles_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether this backend's prefills of this dtype and head size are exactly the compiled
@@ -92,3 +106,10 @@ def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
         raise ValueError(f"head size of q ({d}) and cache ({k_cache.shape[3]}) differ")
     if hq % hkv != 0:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+
+
+def check_window(window: int) -> int:
+    """The window as an int, or ValueError for a negative one (0 is no window)."""
+    if window < 0:
+        raise ValueError(f"sliding window must be 0 (none) or a positive number of keys, got {window}")
+    return int(window)

@@ -8,10 +8,11 @@
 
 TORCH_LIBRARY(pdserve_cpu, m) {
   // Attention (cpu_attention.cpp, cpu_prefill.cpp, cpu_prefill_tiles.cpp).
+  // window: each query's last `window` keys only (a sliding window), 0 for all of them.
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_lens, Tensor block_tables, "
-        "float scale) -> Tensor");
+        "float scale, int window=0) -> Tensor");
   m.def("store_kv_(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
-  m.def("prefill_attention(Tensor q, Tensor key, Tensor value, int offset, float scale) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor key, Tensor value, int offset, float scale, int window=0) -> Tensor");
 
   // Elementwise (cpu_elementwise.cpp).
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

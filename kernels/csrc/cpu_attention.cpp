@@ -5,6 +5,11 @@
 // Layout (kernels/interface.py): q [B, Hq, D]; k_cache/v_cache [N, S, Hkv, D];
 // seq_lens [B] int32; block_tables [B, M] int32. Query heads h*G .. h*G+G-1 share KV head h.
 //
+// With a sliding window W > 0 a sequence of ctx tokens attends positions max(0, ctx - W) .. ctx - 1
+// only: its row offsets start there, mid-block where the window does, so the blocks wholly
+// before the window are never read (nor checked: they may be freed) and the first, partial
+// block's earlier slots are left out, with no mask in the loops.
+//
 // Work item = (sequence, KV head): its G query heads are scored together, so each key and value
 // row is read from memory once per group. Scores are kept in float32 for the whole context, then
 // softmaxed exactly (max-subtracted), then the weighted sum of values accumulates in float32 (for
@@ -82,14 +87,19 @@ struct Geometry {
   int64_t group, d, block_size, c_sn, c_ss, c_sh;
 };
 
-// Offsets (in elements) of KV head h's row at every position 0..ctx-1 of one sequence, walking
-// its blocks in order (no division per position).
-inline void row_offsets(const int32_t* blocks, int64_t h, int64_t ctx, const Geometry& geo, std::vector<int64_t>& rows) {
-  rows.resize(ctx);
-  int64_t pos = 0;
-  for (int64_t j = 0; pos < ctx; ++j) {
+// The first position a sequence of `len` tokens attends: len - window where a window leaves
+// earlier ones out, else 0.
+inline int64_t window_start(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
+
+// Offsets (in elements) of KV head h's row at every position start..end-1 of one sequence
+// (rows[pos - start]), walking its blocks in order from start's (no division per position).
+inline void row_offsets(const int32_t* blocks, int64_t h, int64_t start, int64_t end, const Geometry& geo,
+                        std::vector<int64_t>& rows) {
+  rows.resize(end - start);
+  int64_t pos = start;
+  for (int64_t j = start / geo.block_size, t = start % geo.block_size; pos < end; ++j, t = 0) {
     const int64_t base = blocks[j] * geo.c_sn + h * geo.c_sh;
-    for (int64_t t = 0; t < geo.block_size && pos < ctx; ++t, ++pos) rows[pos] = base + t * geo.c_ss;
+    for (; t < geo.block_size && pos < end; ++t, ++pos) rows[pos - start] = base + t * geo.c_ss;
   }
 }
 
@@ -330,7 +340,7 @@ void attend_wide(Dots dots, const T* q_raw, const float* qf, const T* kp, const 
 
 template <typename T>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                   const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
+                   const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale, int64_t window,
                    at::Tensor& out, const pdserve_cpu::BackgroundPrefetch& spare) {
   const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t hkv = k_cache.size(2);
@@ -389,7 +399,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   // One item; `after`, the thread's next item (-1 for none), has its keys prefetched meanwhile.
   const auto attend = [&](Scratch& s, int64_t item, int64_t after) {
     const int64_t b = item / per_seq, h0 = (item % per_seq) * heads;
-    const int64_t ctx = lens[b], width = heads * group * d;
+    // The positions attended, start .. start + ctx - 1: the last `window` of the sequence's.
+    const int64_t start = window_start(lens[b], window), ctx = lens[b] - start, width = heads * group * d;
     T* o = op + b * hq * d + h0 * group * d;  // out is contiguous
     if (ctx <= 0) {
       std::fill(o, o + width, from_float<T>(0.f));
@@ -404,12 +415,13 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       }
     }
     s.scores.resize(heads * group * ctx);
-    row_offsets(table + b * t_sb, h0, ctx, geo, s.rows);
+    row_offsets(table + b * t_sb, h0, start, start + ctx, geo, s.rows);
     if (wide) {
       // The keys of this thread's next item (a whole sequence: the wide path), block by block.
       s.next_blocks.clear();
       const int64_t nb = after >= 0 ? after / per_seq : -1;
-      for (int64_t j = 0; nb >= 0 && j * geo.block_size < lens[nb]; ++j)
+      for (int64_t j = nb >= 0 ? window_start(lens[nb], window) / geo.block_size : 0;
+           nb >= 0 && j * geo.block_size < lens[nb]; ++j)
         s.next_blocks.push_back(table[nb * t_sb + j] * geo.c_sn * static_cast<int64_t>(sizeof(T)));
       const pdserve_cpu::BackgroundPrefetch next_keys{reinterpret_cast<const char*>(kp), s.next_blocks.data(),
                                                       static_cast<int64_t>(s.next_blocks.size()), block_lines};
@@ -456,13 +468,14 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 namespace pdserve_cpu {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale) {
-  return decode_attention_then(q, k_cache, v_cache, seq_lens, block_tables, scale, {});
+                            const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
+                            int64_t window) {
+  return decode_attention_then(q, k_cache, v_cache, seq_lens, block_tables, scale, window, {});
 }
 
 at::Tensor decode_attention_then(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
-                                 const BackgroundPrefetch& spare) {
+                                 int64_t window, const BackgroundPrefetch& spare) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "pdserve_cpu.decode_attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "expected q [B,Hq,D] and cache [N,S,Hkv,D]");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
@@ -477,25 +490,26 @@ at::Tensor decode_attention_then(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0), "seq_lens must be [B]");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && block_tables.stride(1) == 1,
               "block_tables must be [B, M] with contiguous rows");
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or a positive number of positions, got ", window);
   at::Tensor lens = seq_lens.contiguous();
   // Every block a sequence reads must exist: checked here, once, so the kernel never reads out of
-  // bounds whatever the caller passes.
+  // bounds whatever the caller passes. Those before its window it does not read.
   const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0), width = block_tables.size(1);
   const int32_t* lp = lens.data_ptr<int32_t>();
   const int32_t* tp = block_tables.data_ptr<int32_t>();
   for (int64_t b = 0; b < q.size(0); ++b) {
     const int64_t need = (static_cast<int64_t>(lp[b]) + block_size - 1) / block_size;
     TORCH_CHECK(need <= width, "sequence ", b, " needs ", need, " blocks but its table holds ", width);
-    for (int64_t j = 0; j < need; ++j) {
+    for (int64_t j = window_start(lp[b], window) / block_size; j < need; ++j) {
       const int32_t id = tp[b * block_tables.stride(0) + j];
       TORCH_CHECK(id >= 0 && id < num_blocks, "sequence ", b, " block ", j, " is ", id, ", outside the cache");
     }
   }
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.scalar_type() == at::kFloat) {
-    decode_kernel<float>(q, k_cache, v_cache, lens, block_tables, scale, out, spare);
+    decode_kernel<float>(q, k_cache, v_cache, lens, block_tables, scale, window, out, spare);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode_kernel<c10::BFloat16>(q, k_cache, v_cache, lens, block_tables, scale, out, spare);
+    decode_kernel<c10::BFloat16>(q, k_cache, v_cache, lens, block_tables, scale, window, out, spare);
   } else {
     TORCH_CHECK(false, "pdserve_cpu.decode_attention supports float32 and bfloat16, not ", q.scalar_type());
   }

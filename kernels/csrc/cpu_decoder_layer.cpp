@@ -54,24 +54,24 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const at::Tensor& v_cache, const StepShape& step, double scale, const BackgroundPrefetch& spare) {
   const int64_t tokens = q.size(0), nd = step.num_decode;
   if (nd == tokens)
-    return decode_attention_then(q, k_cache, v_cache, step.decode_seq_lens, step.decode_block_tables, scale, spare);
+    return decode_attention_then(q, k_cache, v_cache, step.decode_seq_lens, step.decode_block_tables, scale, 0, spare);
   const size_t prompts = step.lens.size();
-  if (nd == 0 && prompts == 1 && step.lens[0] == tokens) return prefill_attention(q, k, v, 0, scale);
+  if (nd == 0 && prompts == 1 && step.lens[0] == tokens) return prefill_attention(q, k, v, 0, scale, 0);
   at::Tensor out = at::empty_like(q);
   if (nd > 0)
     out.narrow(0, 0, nd).copy_(decode_attention(q.narrow(0, 0, nd), k_cache, v_cache, step.decode_seq_lens,
-                                                step.decode_block_tables, scale));
+                                                step.decode_block_tables, scale, 0));
   for (size_t b = 0; b < prompts; ++b) {
     const int64_t start = nd + step.cu[b], rows = step.cu[b + 1] - step.cu[b], prefix = step.lens[b] - rows;
     if (rows == 0) continue;
     const at::Tensor qs = q.narrow(0, start, rows);
     at::Tensor o;
     if (prefix == 0) {
-      o = prefill_attention(qs, k.narrow(0, start, rows), v.narrow(0, start, rows), 0, scale);
+      o = prefill_attention(qs, k.narrow(0, start, rows), v.narrow(0, start, rows), 0, scale, 0);
     } else {
       const at::Tensor table = step.prefill_block_tables.select(0, static_cast<int64_t>(b));
       o = prefill_attention(qs, gather(k_cache, table, step.lens[b]), gather(v_cache, table, step.lens[b]), prefix,
-                            scale);
+                            scale, 0);
     }
     out.narrow(0, start, rows).copy_(o);
   }

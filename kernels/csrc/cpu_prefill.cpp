@@ -2,7 +2,13 @@
 // goes to AMX tiles: cpu_prefill_tiles.cpp):
 //
 //   q [T, Hq, D]; key, value [Tk, Hkv, D] with Tk = offset + T; query t sits at position offset + t
-//   and sees keys 0 .. offset + t. Query heads h*G .. h*G+G-1 share KV head h.
+//   and sees keys 0 .. offset + t, or with a sliding window W > 0 only offset + t - W + 1 ..
+//   offset + t. Query heads h*G .. h*G+G-1 share KV head h.
+//
+// A window first drops the keys before the first query's window (none of them is seen, so they
+// are neither packed nor scored); then each chunk of rows starts its products at the panel
+// holding its first row's first key, and each row's softmax zeroes the keys before its own.
+// Without a window (or with one over every key) the chunks start at key 0 as before.
 //
 // Each KV head's keys and values are first packed, once, into the panels of 24 columns that the
 // projections' kernel reads (cpu_linear.cpp): the keys as a weight [Tk, D] (scores = q k^T), the
@@ -40,6 +46,9 @@ inline float softmax_row(float* __restrict s, int64_t n_row, int64_t width, floa
   return 1.f / sum;
 }
 
+// The first key a query at position `pos` sees through a window of `window` > 0 keys.
+inline int64_t first_key(int64_t pos, int64_t window) { return pos >= window ? pos - window + 1 : 0; }
+
 // Rows [n, K] of src (row r at src + r * ld, K contiguous) as the panels of a weight with n output
 // columns: dst[p, k, j] = src[24 p + j, k], zero past n. dst holds ceil(n / 24) * K * 24.
 void pack_rows(const float* src, int64_t ld, int64_t n, int64_t k_size, float* dst) {
@@ -70,15 +79,18 @@ void pack_columns(const float* src, int64_t ld, int64_t n, int64_t k_size, float
 
 namespace pdserve_cpu {
 
-at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value, int64_t offset,
-                             double scale) {
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key_in, const at::Tensor& value_in,
+                             int64_t offset_in, double scale, int64_t window) {
+  at::Tensor key = key_in, value = value_in;
+  int64_t offset = offset_in;
   TORCH_CHECK(q.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(),
               "pdserve_cpu.prefill_attention runs on CPU tensors");
   const auto dtype = q.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && key.scalar_type() == dtype && value.scalar_type() == dtype,
               "pdserve_cpu.prefill_attention computes float32 or bfloat16, q, key and value alike");
   TORCH_CHECK(q.dim() == 3 && key.dim() == 3 && key.sizes() == value.sizes(), "expected q [T, Hq, D] and key, value [Tk, Hkv, D]");
-  const int64_t tokens = q.size(0), hq = q.size(1), d = q.size(2), keys = key.size(0), hkv = key.size(1);
+  const int64_t tokens = q.size(0), hq = q.size(1), d = q.size(2), hkv = key.size(1);
+  int64_t keys = key.size(0);
   TORCH_CHECK(key.size(2) == d, "q and key differ in head size");
   TORCH_CHECK(hkv > 0 && hq % hkv == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(offset >= 0 && keys == offset + tokens, "expected ", offset + tokens, " keys (offset ", offset, " + ",
@@ -86,7 +98,16 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key, const a
   TORCH_CHECK(q.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1,
               "q, key and value need a contiguous head dimension");
   TORCH_CHECK(scale > 0, "scale must be positive, got ", scale);
-  if (dtype == at::kBFloat16) return prefill_attention_tiles(q, key, value, offset, scale);
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or a positive number of keys, got ", window);
+  if (window >= keys) window = 0;  // every row's window holds all the keys it sees
+  if (window > 0 && offset >= window) {  // keys before the first row's window: none is seen
+    const int64_t drop = offset - window + 1;
+    key = key.narrow(0, drop, keys - drop);
+    value = value.narrow(0, drop, keys - drop);
+    offset -= drop;
+    keys -= drop;
+  }
+  if (dtype == at::kBFloat16) return prefill_attention_tiles(q, key, value, offset, scale, window);
   const int64_t group = hq / hkv;
   const float fscale = static_cast<float>(scale);
   at::Tensor out = at::empty({tokens, hq, d}, q.options());
@@ -134,10 +155,18 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key, const a
       // triangle shrinks from the block's 64 tokens to a chunk's 16 (SmolLM2's 3 query heads).
       for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
         const int64_t rc = std::min(kRowChunk, m - r0), seen = offset + t0 + (r0 + rc - 1) / group + 1;
-        panel_product(q_rows + r0 * d, d, rc, head_keys, d * kPanelColumns, d, seen, sp + r0 * width, width);
-        for (int64_t r = r0; r < r0 + rc; ++r)
-          inv[r] = softmax_row(sp + r * width, offset + t0 + r / group + 1, seen, fscale);
-        panel_product(sp + r0 * width, width, rc, head_values, keys * kPanelColumns, seen, d, o.get() + r0 * d, d);
+        // The chunk's keys from the panel holding its first row's first key: 0 without a window.
+        const int64_t k0 = window > 0 ? first_key(offset + t0 + r0 / group, window) / kPanelColumns * kPanelColumns : 0;
+        panel_product(q_rows + r0 * d, d, rc, head_keys + k0 * d, d * kPanelColumns, d, seen - k0, sp + r0 * width + k0,
+                      width);
+        for (int64_t r = r0; r < r0 + rc; ++r) {
+          float* row = sp + r * width;
+          const int64_t pos = offset + t0 + r / group, first = window > 0 ? first_key(pos, window) : 0;
+          std::fill(row + k0, row + first, 0.f);
+          inv[r] = softmax_row(row + first, pos + 1 - first, seen - first, fscale);
+        }
+        panel_product(sp + r0 * width + k0, width, rc, head_values + k0 * kPanelColumns, keys * kPanelColumns, seen - k0,
+                      d, o.get() + r0 * d, d);
       }
       for (int64_t r = 0; r < m; ++r) {
         float* dst = op + ((t0 + r / group) * hq + h * group + r % group) * d;

@@ -1,7 +1,8 @@
 // Causal prefill attention of one sequence in bfloat16 on AMX tiles:
 //
 //   q [T, Hq, D]; key, value [Tk, Hkv, D] with Tk = offset + T, D a multiple of 32; query t sits at
-//   position offset + t and sees keys 0 .. offset + t. Query heads h*G .. h*G+G-1 share KV head h.
+//   position offset + t and sees keys 0 .. offset + t, or with a sliding window W > 0 only
+//   offset + t - W + 1 .. offset + t. Query heads h*G .. h*G+G-1 share KV head h.
 //
 // Each KV head's keys and values are packed once into the pair-interleaved form TDPBF16PS reads as
 // its "B" operand: the keys as [Tk/16 key tiles][D/32 steps][16][32] (a tile is 16 keys by 32 of
@@ -10,7 +11,9 @@
 // 16): their scores against the keys the last row sees, 32 keys at a time into four float32
 // accumulators; a softmax per row in float32 over the keys that row sees, rounded to bfloat16 as
 // the next product's "A" operand (zero past them); then that product with the values, two column
-// tiles at a time, divided by the row's sum on the way out. As SDPA's bfloat16 kernels do, the
+// tiles at a time, divided by the row's sum on the way out. With a window, an item's products
+// start at the 32-key step holding its first row's first key (the steps before are skipped) and
+// each row's probabilities are zero before its own first key. As SDPA's bfloat16 kernels do, the
 // probabilities are rounded to bfloat16 before they weight the values; sums and maxima are float32.
 //
 // Why: torch's SDPA (its CPU flash attention) runs bfloat16 prefill attention far below the tiles'
@@ -257,10 +260,12 @@ inline float exp_into_bf16(const float* s, int64_t n, int64_t width, float scale
     vf e = exp2_coarse(t);
     for (int64_t l = n - i; l < kVf; ++l) e[l] = 0.f;
     sum += e;
-    storef(p + i, e);  // p's rows are whole multiples of 32 keys, so the vector fits
+    // p's rows are whole multiples of 32 keys, so the vector fits; a row of a window starts
+    // anywhere, and the vector may reach into the row's padding (kPadB).
+    storef(p + i, e);
     i += kVf;
   }
-  std::fill(p + i, p + width, bf16(0.f));
+  if (i < width) std::fill(p + i, p + width, bf16(0.f));
   return hsum(sum);
 }
 
@@ -320,26 +325,30 @@ void values_on(Tiles& tiles, const bf16* p, int64_t lp, const bf16* values, int6
 }
 
 // One work item: 32 query rows [32, D] (ld D) against one head's packed keys and values, `seen`
-// keys visible to the last row, row r seeing visible(r) keys (0 for a padding row). Writes the
-// rows' unnormalised outputs to o [32, D] and their 1 / sum to inv.
-template <typename Tiles, typename Visible>
-void attend_rows(Tiles& tiles, const bf16* q_rows, int64_t d, const bf16* keys, const bf16* values, int64_t seen,
-                 Visible visible, float scale, float* s, bf16* p, float* o, float* inv) {
+// keys visible to the last row, row r seeing keys first(r) .. visible(r) - 1 (none for a padding
+// row, visible 0), all from key `from` on, a multiple of 32: the products skip the keys before
+// it. Writes the rows' unnormalised outputs to o [32, D] and their 1 / sum to inv.
+template <typename Tiles, typename Visible, typename First>
+void attend_rows(Tiles& tiles, const bf16* q_rows, int64_t d, const bf16* keys, const bf16* values, int64_t from,
+                 int64_t seen, Visible visible, First first, float scale, float* s, bf16* p, float* o, float* inv) {
   const int64_t width = round_up(seen, kStep);
   const int64_t ls = width + kPadF, lp = width + kPadB;
-  scores_on(tiles, q_rows, d, keys, width, s, ls);
-  // Softmax per row over its visible keys, rounded into p [32, width], zero past them.
+  // Key tiles of 16 keys by D; value steps of 32 keys by D (pack_keys, pack_values).
+  scores_on(tiles, q_rows, d, keys + from * d, width - from, s + from, ls);
+  // Softmax per row over its visible keys, rounded into p [32, width], zero outside them.
   for (int64_t r = 0; r < kRows; ++r) {
-    const int64_t n = visible(r);
-    inv[r] = n > 0 ? 1.f / exp_into_bf16(s + r * ls, n, width, scale, p + r * lp) : 0.f;
-    if (n == 0) std::fill(p + r * lp, p + r * lp + width, bf16(0.f));
+    bf16* pr = p + r * lp;
+    const int64_t n = visible(r), f = n > 0 ? first(r) : from;
+    std::fill(pr + from, pr + f, bf16(0.f));
+    inv[r] = n > 0 ? 1.f / exp_into_bf16(s + r * ls + f, n - f, width - f, scale, pr + f) : 0.f;
+    if (n == 0) std::fill(pr + from, pr + width, bf16(0.f));
   }
-  values_on(tiles, p, lp, values, width, d, o);
+  values_on(tiles, p + from, lp, values + from * d, width - from, d, o);
 }
 
 template <typename Tiles>
 void prefill_on_tiles(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value, int64_t offset, float scale,
-                      at::Tensor& out) {
+                      int64_t window, at::Tensor& out) {
   const int64_t tokens = q.size(0), hq = q.size(1), d = q.size(2), keys = key.size(0), hkv = key.size(1);
   const int64_t group = hq / hkv, rows = tokens * group, padded_rows = round_up(rows, kRows);
   // [Hkv, rows padded to 32, D]: each KV head's query rows, token by token, its G heads together.
@@ -386,8 +395,11 @@ void prefill_on_tiles(const at::Tensor& q, const at::Tensor& key, const at::Tens
       const int64_t seen = offset + last / group + 1;
       const bf16* head = packed + h * head_pack;
       auto visible = [&](int64_t r) { return r0 + r < rows ? offset + (r0 + r) / group + 1 : int64_t{0}; };
-      attend_rows(tiles, qp + (h * padded_rows + r0) * d, d, head, head + padded_keys * d, seen, visible, scale,
-                  s, p, o, inv);
+      // A row at position pos sees keys pos - window + 1 .. pos through a window, all without one.
+      auto first = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, visible(r) - window) : int64_t{0}; };
+      const int64_t from = first(0) / kStep * kStep;
+      attend_rows(tiles, qp + (h * padded_rows + r0) * d, d, head, head + padded_keys * d, from, seen, visible, first,
+                  scale, s, p, o, inv);
       for (int64_t r = 0; r < kRows && r0 + r < rows; ++r) {
         const int64_t t = (r0 + r) / group, g = (r0 + r) % group;
         bf16* dst = op + (t * hq + h * group + g) * d;
@@ -403,21 +415,21 @@ void prefill_on_tiles(const at::Tensor& q, const at::Tensor& key, const at::Tens
 namespace pdserve_cpu {
 
 at::Tensor prefill_attention_tiles(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value, int64_t offset,
-                                   double scale) {
+                                   double scale, int64_t window) {
   TORCH_CHECK(q.size(2) % kStep == 0, "pdserve_cpu.prefill_attention in bfloat16 takes head sizes that are multiples of ",
               kStep, ", got ", q.size(2));
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.size(0) == 0) return out;
 #if defined(PDSERVE_AMX)
   if (pdserve_amx::ready()) {
-    prefill_on_tiles<AmxTiles>(q, key, value, offset, static_cast<float>(scale), out);
+    prefill_on_tiles<AmxTiles>(q, key, value, offset, static_cast<float>(scale), window, out);
     return out;
   }
 #endif
 #if defined(PDSERVE_AVX512_BF16)
-  prefill_on_tiles<Avx512Bf16Blocks>(q, key, value, offset, static_cast<float>(scale), out);
+  prefill_on_tiles<Avx512Bf16Blocks>(q, key, value, offset, static_cast<float>(scale), window, out);
 #else
-  prefill_on_tiles<PortableTiles>(q, key, value, offset, static_cast<float>(scale), out);
+  prefill_on_tiles<PortableTiles>(q, key, value, offset, static_cast<float>(scale), window, out);
 #endif
   return out;
 }

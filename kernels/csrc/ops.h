@@ -9,16 +9,18 @@
 
 namespace pdserve_cpu {
 
-// cpu_attention.cpp
+// cpu_attention.cpp. `window` > 0: each query attends its last `window` positions only (a
+// sliding window, kernels/interface.py), 0: all of them.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale);
+                            const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
+                            int64_t window);
 // decode_attention, where a thread left without a sequence (fewer sequences than threads, as at
 // batch 1) prefetches the lines of `spare` meanwhile, in order, until the last sequence is done:
 // the memory the caller reads next (the output projection's weight), which would otherwise wait
 // for it on DRAM.
 at::Tensor decode_attention_then(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale,
-                                 const BackgroundPrefetch& spare);
+                                 int64_t window, const BackgroundPrefetch& spare);
 void store_kv_(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
                const at::Tensor& slot_mapping);
 
@@ -60,13 +62,14 @@ constexpr int64_t kPanelColumns = 24;
 constexpr int64_t kPanelRowBlock = 48;
 
 // cpu_prefill.cpp: causal attention of one new prompt's rows over its keys (offset of them cached
-// before it), float32 or bfloat16 (the tiles below).
+// before it), each row over its last `window` keys where window > 0, float32 or bfloat16 (the
+// tiles below).
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value, int64_t offset,
-                             double scale);
+                             double scale, int64_t window);
 
 // cpu_prefill_tiles.cpp: prefill_attention in bfloat16 (checked there), D a multiple of 32.
 at::Tensor prefill_attention_tiles(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value, int64_t offset,
-                                   double scale);
+                                   double scale, int64_t window);
 
 // cpu_linear_tiles.cpp
 at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,

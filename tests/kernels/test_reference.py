@@ -27,27 +27,30 @@ def prefix_tokens(kind: str, block_size: int) -> int:
 
 
 def naive_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float, window: int = 0
 ) -> torch.Tensor:
     """Dense oracle for one sequence: q [L, Hq, D] at positions prefix..prefix+L-1 over k/v
-    [prefix+L, Hkv, D]. Query head h reads KV head h // (Hq / Hkv). Computed in float64."""
+    [prefix+L, Hkv, D], with a sliding window of `window` keys where it is > 0. Query head h
+    reads KV head h // (Hq / Hkv). Computed in float64."""
     q_len, hq, _ = q.shape
     ctx, hkv, _ = k.shape
     k = k.double().repeat_interleave(hq // hkv, dim=1)
     v = v.double().repeat_interleave(hq // hkv, dim=1)
     scores = torch.einsum("ihd,jhd->hij", q.double(), k) * scale  # [Hq, L, ctx]
     mask = torch.ones(q_len, ctx, dtype=torch.bool).tril(diagonal=prefix)  # key j <= prefix + i
+    if window > 0:  # and key j > prefix + i - window
+        mask &= ~torch.ones(q_len, ctx, dtype=torch.bool).tril(diagonal=prefix - window)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("hij,jhd->ihd", scores.softmax(dim=-1), v)
 
 
-def oracle(case: PagedCase) -> torch.Tensor:
+def oracle(case: PagedCase, window: int = 0) -> torch.Tensor:
     """The oracle for every query row of a packed batch, [T, Hq, D] in float64."""
     outs = []
     cu = case.cu_seqlens_q.tolist()
     for b, prefix in enumerate(case.prefix_lens):
         q = case.q[cu[b] : cu[b + 1]]
-        outs.append(naive_causal_attention(q, case.dense_k[b], case.dense_v[b], prefix, case.scale))
+        outs.append(naive_causal_attention(q, case.dense_k[b], case.dense_v[b], prefix, case.scale, window))
     return torch.cat(outs)
 
 
