@@ -11,7 +11,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder, read from GGUF metadata or a Hugging Face config.json."""
+    """Shape of a decoder of one of the supported families (model/families.py), read from GGUF
+    metadata or a Hugging Face config.json. The defaults are a Llama's; each family sets what
+    differs (Qwen2: q/k/v biases; Qwen3: per-head q/k norms; Gemma 3 all the rest)."""
 
     architecture: str
     vocab_size: int
@@ -27,6 +29,36 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     # Llama-3 style frequency scaling; None when the model has none.
     rope_scaling: tuple[tuple[str, float | int | str], ...] | None = None
+    # Biases on the q, k and v projections (Qwen2).
+    qkv_bias: bool = False
+    # An RMSNorm over each head of q and of k before the rotary embedding (Qwen3, Gemma 3).
+    qk_norm: bool = False
+    # Norm weights as stored are used as `offset + weight` (Gemma's 1 + w); folded in at load.
+    norm_weight_offset: float = 0.0
+    # Norms on the attention's and the MLP's outputs before their residual adds, and the MLP's
+    # input norm its own tensor (Gemma 3's four norms a layer).
+    sandwich_norms: bool = False
+    # The MLP's activation on its gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU).
+    hidden_act: str = "silu"
+    # What the embeddings are multiplied by (Gemma: the square root of the hidden size).
+    embed_scale: float = 1.0
+    # The attention's softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5).
+    attention_scale: float | None = None
+    # Each layer's sliding window (0: global attention); empty: every layer global.
+    layer_windows: tuple[int, ...] = ()
+    # The rotary base of the windowed layers where it differs from rope_theta (Gemma 3's local
+    # layers: plain RoPE at 10,000, while the global layers use rope_theta and rope_scaling).
+    local_rope_theta: float | None = None
+    # tanh soft-capping of the final logits (Gemma 2 style); None: none.
+    final_logit_softcap: float | None = None
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (0: it attends to every earlier position)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:

@@ -8,8 +8,9 @@ sees plain dense weights whatever the file's quantization.
 from __future__ import annotations
 
 import logging
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,12 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from pdserve.model.config import ModelConfig
+from pdserve.model.families import SUPPORTED_GGUF_ARCHITECTURES
 from pdserve.text.model_files import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = SUPPORTED_GGUF_ARCHITECTURES
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -35,13 +37,28 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+# Gemma 3's four norms a layer: llama.cpp's ffn_norm is the MLP's input norm there, and the
+# attention's output norm has its own name.
+_GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Only llama.cpp's `llama` architecture interleaves q and k rows for its rotary embedding; the
+# others keep Hugging Face's rotate-half order.
+_PERMUTED_ROTARY = ("llama",)
+# llama.cpp's converter stores Gemma's norm weights as the 1 + w they are used as; the state
+# dict holds Hugging Face's w (the decoder adds ModelConfig.norm_weight_offset back).
+_NORM_SHIFT = {"gemma3": 1.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,19 +70,20 @@ class GGUFModel:
     metadata: dict[str, Any]
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """The Hugging Face name of a llama.cpp tensor; ModelLoadError for one a Llama has not."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
+    """The Hugging Face name of a llama.cpp tensor; ModelLoadError for one the family has not."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match and match[2] in _LAYER_NAMES:
-        return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.weight"
+    if match and match[2] in names:
+        return f"model.layers.{match[1]}.{names[match[2]]}.{match[3]}"
     if gguf_name == "rope_freqs.weight":
         raise ModelLoadError(
             "This GGUF scales RoPE frequencies with a rope_freqs tensor (Llama 3.1 style), which "
             "the GGUF loader does not support; load the model's Hugging Face directory instead."
         )
-    raise ModelLoadError(f"unexpected tensor {gguf_name!r} in a Llama GGUF file")
+    raise ModelLoadError(f"unexpected tensor {gguf_name!r} in a {arch} GGUF file")
 
 
 def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -138,7 +156,7 @@ def gguf_model_config(meta: dict[str, Any], tensor_names: set[str]) -> ModelConf
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())
     if not vocab:
         raise ModelLoadError(f"the GGUF file states no vocabulary size ({arch}.vocab_size)")
-    return ModelConfig(
+    config = ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -151,19 +169,43 @@ def gguf_model_config(meta: dict[str, Any], tensor_names: set[str]) -> ModelConf
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(key("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
-        rope_scaling=None,
+        rope_scaling=_rope_scaling(meta, arch),
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+    )
+    if arch != "gemma3":
+        return config
+    layers = config.num_layers
+    window = int(key("attention.sliding_window"))
+    pattern = int(meta.get(f"{arch}.attention.sliding_window_pattern", 6))  # llama.cpp's fixed 6
+    cap = meta.get(f"{arch}.final_logit_softcapping")
+    return replace(
+        config, norm_weight_offset=1.0, sandwich_norms=True, hidden_act="gelu_tanh",
+        embed_scale=math.sqrt(hidden),
+        # llama.cpp scales queries by the key length; Gemma 3 27B's query_pre_attn_scalar (168)
+        # is hidden / heads instead, which GGUF does not state: that model would need its own key.
+        attention_scale=head_dim**-0.5,
+        layer_windows=tuple(window if (i + 1) % pattern else 0 for i in range(layers)),
+        local_rope_theta=10000.0,  # llama.cpp's fixed base for Gemma 3's local layers
+        final_logit_softcap=float(cap) if cap else None,
     )
 
 
 def _check_rope_scaling(meta: dict[str, Any], arch: str) -> None:
-    # engine/model.py implements plain RoPE and Llama-3 scaling; GGUF states the latter as a
-    # rope_freqs tensor (refused in hf_tensor_name), so any scaling key here is unsupported.
+    # The decoder implements plain RoPE, linear scaling and Llama-3 scaling; GGUF states the
+    # last as a rope_freqs tensor (refused in hf_tensor_name).
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
-    if kind != "none":
+    if kind not in ("none", "linear"):
         raise ModelLoadError(
             f"GGUF rope scaling {kind!r} is not supported; load the model's Hugging Face "
             "directory if it uses Llama-3 scaling"
         )
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str) -> tuple[tuple[str, Any], ...] | None:
+    if meta.get(f"{arch}.rope.scaling.type", "none") != "linear":
+        return None
+    return (("rope_type", "linear"), ("factor", float(meta[f"{arch}.rope.scaling.factor"])))
 
 
 def load_gguf(path: str | Path) -> GGUFModel:
@@ -173,8 +215,9 @@ def load_gguf(path: str | Path) -> GGUFModel:
     names = {t.name for t in reader.tensors}
     config = gguf_model_config(meta, names)
     state_dict: dict[str, torch.Tensor] = {}
+    arch = config.architecture
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch)
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
         try:
             array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
@@ -189,10 +232,12 @@ def load_gguf(path: str | Path) -> GGUFModel:
             ) from err
         # Copy out of the memory map so the file can close and the tensor is writable.
         weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
-        if name.endswith("self_attn.q_proj.weight"):
+        if arch in _PERMUTED_ROTARY and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             weight = unpermute_rotary(weight, config.num_heads)
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif arch in _PERMUTED_ROTARY and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             weight = unpermute_rotary(weight, config.num_kv_heads)
+        elif arch in _NORM_SHIFT and name.endswith("norm.weight"):
+            weight -= _NORM_SHIFT[arch]
         state_dict[name] = weight
     logger.info("loaded %d tensors from %s", len(state_dict), path)
     return GGUFModel(config=config, state_dict=state_dict, metadata=meta)

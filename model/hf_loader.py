@@ -1,5 +1,6 @@
-"""Read a Hugging Face Llama-family directory: `ModelConfig` from config.json and float32 weights
-from its safetensors files (one file, or shards listed in model.safetensors.index.json)."""
+"""Read a Hugging Face model directory of a supported family (model/families.py): `ModelConfig`
+from config.json and float32 weights from its safetensors files (one file, or shards listed in
+model.safetensors.index.json)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from pdserve.model.config import ModelConfig
+from pdserve.model.families import SUPPORTED_ARCHITECTURES, hf_model_config
 from pdserve.text.model_files import ModelLoadError
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "hf_model_config", "load_hf", "read_config_json"]
 
 logger = logging.getLogger(__name__)
 
-# Mistral without a sliding window is a Llama under another name. Qwen2 is not: it has Q/K/V biases.
-# ModelConfig.architecture uses the short family name, the same for a GGUF and a directory.
-_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
-SUPPORTED_ARCHITECTURES = tuple(_FAMILY)
-# What engine/model.py implements; anything else would silently compute the wrong positions.
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -39,64 +37,6 @@ def read_config_json(path: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ModelLoadError(f"{file} does not hold a JSON object")
     return config
-
-
-def hf_model_config(config: dict[str, Any]) -> ModelConfig:
-    """A ModelConfig from a config.json dict; ModelLoadError for what the engine cannot run."""
-    archs = config.get("architectures") or []
-    arch = archs[0] if archs else config.get("model_type", "<none>")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    if config.get("attention_bias") or config.get("mlp_bias"):
-        raise ModelLoadError(f"{arch} with attention or MLP biases is not supported")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"activation {config['hidden_act']!r} is not supported (only silu)")
-    window = config.get("sliding_window")
-    max_pos = int(config.get("max_position_embeddings", 2048))
-    if window is not None and window < max_pos:
-        raise ModelLoadError(f"sliding-window attention (window {window}) is not supported")
-    try:
-        hidden = int(config["hidden_size"])
-        num_heads = int(config["num_attention_heads"])
-        rope = _rope_parameters(config)
-        return ModelConfig(
-            architecture=_FAMILY[arch],
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-            head_dim=int(config.get("head_dim") or hidden // num_heads),
-            rope_theta=float(rope.pop("rope_theta", config.get("rope_theta", 10000.0))),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            rope_scaling=_rope_scaling(rope),
-        )
-    except (KeyError, TypeError, ValueError) as err:
-        raise ModelLoadError(f"config.json is missing or has a bad value for {err}") from err
-
-
-def _rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
-    # transformers >= 5 writes `rope_parameters` (theta inside); older files `rope_scaling`.
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    if "type" in rope and "rope_type" not in rope:
-        rope["rope_type"] = rope.pop("type")
-    return rope
-
-
-def _rope_scaling(rope: dict[str, Any]) -> tuple[tuple[str, Any], ...] | None:
-    kind = rope.get("rope_type", "default")
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(
-            f"rope scaling {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    if kind == "default":
-        return None
-    return tuple(rope.items())
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -139,7 +79,7 @@ def load_hf_state_dict(path: Path, config: ModelConfig) -> dict[str, torch.Tenso
 
 
 def load_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and float32 state dict of a Hugging Face Llama-family directory."""
+    """Config and float32 state dict of a Hugging Face model directory."""
     path = Path(path)
     config = hf_model_config(read_config_json(path))
     return config, load_hf_state_dict(path, config)

@@ -1,6 +1,9 @@
-"""A Llama-family decoder over packed variable-length steps (selective batching).
+"""The decoder of every supported family (model/families.py) over packed variable-length steps
+(selective batching): a Llama, with the options ModelConfig names for the others (q/k/v biases,
+per-head q/k norms, four norms a layer, GELU-tanh, scaled embeddings, sliding-window layers with
+their own rotary base, soft-capped logits).
 
-Every non-attention op (embeddings, RMSNorm, projections, SwiGLU MLP) runs on all T tokens of a
+Every non-attention op (embeddings, RMSNorm, projections, gated MLP) runs on all T tokens of a
 step concatenated; attention runs per sequence over its own paged KV through `kernels`.
 Shapes: T packed tokens, H hidden size, Hq/Hkv heads, D head size, V vocabulary.
 """
@@ -43,8 +46,9 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, gate_up_of: int = 0) -> None:
         super().__init__()
-        assert not bias, "Llama projections have no bias"
         self.weight = nn.Parameter(torch.empty(in_features, out_features).t())
+        # Added after the matmul, whichever layout runs it (Qwen2's q/k/v).
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.out_features = out_features
         self.packed: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None
@@ -103,8 +107,12 @@ class Linear(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor, tile_order: bool = False) -> torch.Tensor:
-        """x W^T; with `tile_order`, through paired gate/up tiles the columns stay in the tiles'
-        pairs (as the compiled layers read them) instead of being put back in order."""
+        """x W^T (+ b); with `tile_order`, through paired gate/up tiles the columns stay in the
+        tiles' pairs (as the compiled layers read them) instead of being put back in order."""
+        y = self._matmul(x, tile_order)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def _matmul(self, x: torch.Tensor, tile_order: bool) -> torch.Tensor:
         tiles = self.tiles_for(x)
         if tiles is not None:
             y = cpu_linear.tile_linear(self.ops, x, tiles, self.out_features)
@@ -154,12 +162,17 @@ class RMSNorm(nn.Module):
         return self(x.add_(y))
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Rotary inverse frequencies, with Llama-3 frequency scaling when the model asks for it."""
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Rotary inverse frequencies, with the model's frequency scaling (Llama 3's, or linear); with
+    `local`, those of the windowed layers where they have their own base (plain RoPE there)."""
     d = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    scaling = dict(config.rope_scaling or ())
-    if scaling.get("rope_type") == "llama3" or scaling.get("type") == "llama3":
+    theta = config.local_rope_theta if local and config.local_rope_theta is not None else config.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = {} if local and config.local_rope_theta is not None else dict(config.rope_scaling or ())
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv = inv / float(scaling["factor"])
+    elif kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
         old_len = float(scaling.get("original_max_position_embeddings", 8192))
@@ -174,10 +187,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Hugging Face's rotate-half convention; cos/sin tables precomputed for every position."""
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, local: bool = False) -> None:
         super().__init__()
         t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, rope_inv_freq(config))  # [P, D/2]
+        freqs = torch.outer(t, rope_inv_freq(config, local))  # [P, D/2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
         self.fused = None
@@ -204,34 +217,46 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.softmax_scale
+        self.window = config.window(layer)
         h = config.hidden_size
         # One matmul for q, k and v: one pass over the activations instead of three.
-        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=False)
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(self.q_size, h, bias=False)
+        # Qwen3's and Gemma 3's RMSNorm over each head of q and k, before the rotary embedding.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x, positions, rotary: RotaryEmbedding, meta: AttentionMetadata, kv_cache):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:  # on [T * heads, D] rows (a copy)
+            q = self.q_norm(q.reshape(-1, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         k_cache, v_cache = kv_cache[self.layer, 0], kv_cache[self.layer, 1]
         self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        nd = meta.num_decode_tokens
+        nd, scale = meta.num_decode_tokens, self.scale
+        # Only windowed layers pass a window: a backend without one still runs every other model.
+        win = {"window": self.window} if self.window else {}
         if nd == t:
-            out = self.backend.decode_attention(q, k_cache, v_cache, meta.decode_seq_lens, meta.decode_block_tables, self.scale)
+            out = self.backend.decode_attention(q, k_cache, v_cache, meta.decode_seq_lens, meta.decode_block_tables,
+                                                scale, **win)
         elif nd == 0:
             out = self.backend.prefill_attention(
-                q, k, v, k_cache, v_cache, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, meta.prefill_block_tables, self.scale
+                q, k, v, k_cache, v_cache, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, meta.prefill_block_tables,
+                scale, **win,
             )
         else:
             out = torch.empty_like(q)
-            out[:nd] = self.backend.decode_attention(q[:nd], k_cache, v_cache, meta.decode_seq_lens, meta.decode_block_tables, self.scale)
+            out[:nd] = self.backend.decode_attention(q[:nd], k_cache, v_cache, meta.decode_seq_lens,
+                                                     meta.decode_block_tables, scale, **win)
             out[nd:] = self.backend.prefill_attention(
                 q[nd:], k[nd:], v[nd:], k_cache, v_cache,
-                meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, meta.prefill_block_tables, self.scale,
+                meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, meta.prefill_block_tables, scale, **win,
             )
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -243,9 +268,13 @@ class MLP(nn.Module):
                                    gate_up_of=config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.intermediate_size = config.intermediate_size
+        self.act = config.hidden_act
         self.fused = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act == "gelu_tanh":  # GeGLU (Gemma): no fused kernel, eager
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if self.fused is not None:
             # SiLU-mul inside the gate/up projection's own kernel where forward(x) runs one that can.
             gate_up, inter = self.gate_up_proj, self.intermediate_size
@@ -266,12 +295,24 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Gemma 3: post_attention_layernorm normalises the attention's output, these two the MLP's
+        # input and output.
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Whether this layer's rotary embedding is the model's local one (Gemma 3's windowed layers).
+        self.local_rope = config.window(layer) > 0 and config.local_rope_theta is not None
 
     def forward(self, x, h, positions, rotary, meta, kv_cache):
         """x, the residual stream, gains the attention in place; h is x through input_layernorm.
         Returns the MLP's output: the caller adds it to x with the norm that follows (the next
         layer's input norm or the final one), as the attention's is added here."""
-        h = self.post_attention_layernorm.add_norm_(x, self.self_attn(h, positions, rotary, meta, kv_cache))
+        a = self.self_attn(h, positions, rotary, meta, kv_cache)
+        if self.sandwich:
+            h = self.pre_feedforward_layernorm.add_norm_(x, self.post_attention_layernorm(a))
+            return self.post_feedforward_layernorm(self.mlp(h))
+        h = self.post_attention_layernorm.add_norm_(x, a)
         return self.mlp(h)
 
     def compiled_args(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple]:
@@ -298,11 +339,15 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
+        # The windowed layers' own rotary tables where they have their own base (Gemma 3).
+        local = config.local_rope_theta is not None and any(config.layer_windows)
+        self.rotary_local = RotaryEmbedding(config, max_positions, local=True) if local else None
 
 
 # Our fused parameters and the Hugging Face tensors stacked (in this order) to make them.
 FUSED = {
     "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }
 
@@ -355,6 +400,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T] -> final hidden states [T, H]; writes this step's K/V."""
         x = self.model.embed_tokens(input_ids)
+        if self.config.embed_scale != 1.0:  # Gemma: rounded to the model's dtype first, as transformers does
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
         c = self._compiled
         if c is not None and (c.prefills or meta.num_decode_tokens == x.shape[0]):
             return c.ops.decoder_layers_(  # type: ignore[attr-defined]
@@ -368,8 +415,10 @@ class LlamaForCausalLM(nn.Module):
         layers = [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
         after = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         h = (layers[0].input_layernorm if layers else self.model.norm)(x)
+        local = self.model.rotary_local
         for layer, norm in zip(layers, after, strict=True):
-            h = norm.add_norm_(x, layer(x, h, positions, self.model.rotary, meta, kv_cache))
+            rotary = local if layer.local_rope and local is not None else self.model.rotary
+            h = norm.add_norm_(x, layer(x, h, positions, rotary, meta, kv_cache))
         return h
 
     def use_fused_ops(self, ops) -> None:
@@ -379,6 +428,14 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, (RMSNorm, MLP, RotaryEmbedding)):
                 m.fused = ops
 
+    @property
+    def compiles_layers(self) -> bool:
+        """Whether ops.decoder_layers_ implements this model's layers: a Llama's math (no biases,
+        q/k norms, sandwich norms, windows, scaled embeddings or GELU); other families run their
+        layers through the PyTorch modules (with the compiled ops each one calls)."""
+        c = self.config
+        return not (c.qkv_bias or c.qk_norm or c.sandwich_norms or c.hidden_act != "silu" or any(c.layer_windows))
+
     def use_compiled_layers(self, ops, kv_prefetch: bool = True) -> None:
         """Run every layer of a step in one compiled call, ops.decoder_layers_ (after use_fused_ops
         and pack_cpu_linears: it reads the packed weights): every decode-only step, and steps with
@@ -387,7 +444,7 @@ class LlamaForCausalLM(nn.Module):
         step and the oracle. `ops` None turns it off (the tests' lockstep oracle). `kv_prefetch`
         False keeps the MLP from prefetching the next layer's KV (the engine's --kv-prefetch)."""
         self._compiled = None
-        if ops is None:
+        if ops is None or not self.compiles_layers:
             return
         layers = [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
         args = [layer.compiled_args() for layer in layers]
@@ -439,11 +496,16 @@ class LlamaForCausalLM(nn.Module):
         """[N, H] -> logits [N, V] in the model's dtype; only the rows that sample are passed here.
         Not widened to float32: a plain greedy batch takes the argmax of these as they are (the
         same index), and the sampler widens its own copy where it edits or draws from them."""
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy a Hugging Face-named state dict in; raise ValueError naming missing/extra tensors."""
         state_dict = fuse_state_dict(state_dict)
+        if self.config.norm_weight_offset:  # Gemma's norms multiply by 1 + w
+            offset = self.config.norm_weight_offset
+            state_dict = {k: v + offset if k.endswith("norm.weight") else v for k, v in state_dict.items()}
         if self.config.tie_word_embeddings:
             state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
         own = self.state_dict()

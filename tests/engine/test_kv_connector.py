@@ -9,95 +9,26 @@ from dataclasses import replace
 import pytest
 
 from pdserve.config.engine import EngineConfig
-from pdserve.config.names import CHUNKED, DECODE_ONLY
-from pdserve.engine.engine import Engine, context_length
+from pdserve.config.names import DECODE_ONLY
+from pdserve.engine.engine import Engine
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.llm import LLM
 from pdserve.kvtransfer.connector import (
     DecodeConnector,
     HandoffTarget,
-    PrefillConnector,
     first_token_only,
 )
 from pdserve.kvtransfer.payload import with_header
-from pdserve.kvtransfer.transport import ReceivedKV, make_receiver
+from pdserve.kvtransfer.transport import ReceivedKV
 from pdserve.protocol.sampling import SamplingParams
-from pdserve.worker.loop import model_fingerprint
+from tests.helpers.kv_pair import Pair
 
 CFG = EngineConfig(dtype="float32", num_kv_blocks=128, block_size=4, max_num_batched_tokens=64)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[1 + (7 * i + j) % 300 for j in range(5 + 3 * i)] for i in range(6)]
-WAIT = 30.0
-
-
-class Pair:
-    """A prefill engine and a decode engine, driven the way the two workers' loops drive them."""
-
-    def __init__(self, loaded, kind: str = "tcp", decode_blocks: int | None = None) -> None:
-        fp = model_fingerprint(CFG, loaded)
-        self.out_conn = PrefillConnector(fp, "prefill-test", context_length(CFG, loaded.config), lease_s=10.0)
-        self.prefill = Engine(replace(CFG, policy=CHUNKED), loaded, KVConnector(self.out_conn, self.out_conn))
-        self.in_conn = DecodeConnector()
-        self.decode = Engine(replace(CFG, policy=DECODE_ONLY, num_kv_blocks=decode_blocks or CFG.num_kv_blocks),
-                             loaded, KVConnector(self.in_conn, self.in_conn))
-        self.receiver = make_receiver(kind, "tcp://127.0.0.1:0", fingerprint=fp)
-        self.kind = kind
-        self.tokens: dict[str, list[int]] = {}
-        self.finish: dict[str, str] = {}
-        self.prefill_outputs = []
-        self.decode_outputs = []
-        self.nacks: list = []
-
-    def submit(self, rid: str, prompt: list[int], sampling: SamplingParams = GREEDY) -> None:
-        self.prefill.add_request(rid, prompt, first_token_only(sampling))
-        self.out_conn.expect(rid, HandoffTarget(self.receiver.address, self.kind, sampling))
-        self.tokens[rid] = []
-
-    def turn(self, admit=None) -> None:
-        self.prefill.reclaim()
-        if self.prefill.has_unfinished():
-            outs = self.prefill.step()
-            self.prefill_outputs += outs
-            self._record(outs)
-            self.prefill.save_kv()
-        self.nacks += [r for r in self.out_conn.poll_acks() if not r.ok]
-        for rkv in self.receiver.poll(timeout=0.01):
-            (admit or self.admit)(rkv)
-        if self.decode.has_unfinished():
-            outs = self.decode.step()
-            self.decode_outputs += outs
-            self._record(outs)
-        for r in self.in_conn.take_results():
-            self.receiver.ack(r.request_id, r.ok, r.reason)
-
-    def admit(self, rkv: ReceivedKV) -> None:
-        assert rkv.ok, rkv.reason
-        meta = rkv.meta
-        self.in_conn.expect(rkv)
-        self.decode.add_request(meta.request_id, list(meta.prompt_token_ids), meta.sampling,
-                                output_token_ids=list(meta.output_token_ids))
-
-    def run(self, admit=None) -> None:
-        deadline = time.monotonic() + WAIT
-        while len(self.finish) < len(self.tokens) or self.out_conn.in_flight:
-            assert time.monotonic() < deadline, f"stuck: finished {sorted(self.finish)}"
-            self.turn(admit)
-        self.turn()  # the last acks release the prefill blocks
-
-    def _record(self, outs) -> None:
-        for o in outs:
-            self.tokens[o.request_id].extend(o.new_token_ids)
-            if o.finish_reason:
-                self.finish[o.request_id] = o.finish_reason
-
-    def close(self) -> None:
-        self.out_conn.close()
-        self.receiver.close()
-
-
 @pytest.fixture
 def pair(tiny, request):
-    p = Pair(tiny, getattr(request, "param", "tcp"))
+    p = Pair(tiny, CFG, getattr(request, "param", "tcp"))
     yield p
     p.close()
 
@@ -111,7 +42,7 @@ def colocated(tiny):
 @pytest.mark.parametrize("pair", ["tcp", "shm"], indirect=True)
 def test_handoff_through_the_connectors_equals_the_colocated_engine(pair, colocated):
     for i, prompt in enumerate(PROMPTS):
-        pair.submit(f"r{i}", prompt)
+        pair.submit(f"r{i}", prompt, GREEDY)
     pair.run()
     assert [pair.tokens[f"r{i}"] for i in range(len(PROMPTS))] == colocated
     assert set(pair.finish.values()) == {"length"}
@@ -119,7 +50,7 @@ def test_handoff_through_the_connectors_equals_the_colocated_engine(pair, coloca
 
 
 def test_prefill_engine_holds_the_kv_and_reports_no_finish_for_a_request_that_goes_on(pair):
-    pair.submit("r0", PROMPTS[3])
+    pair.submit("r0", PROMPTS[3], GREEDY)
     pair.run()
     first = [o for o in pair.prefill_outputs if o.request_id == "r0"]
     assert len(first) == 1 and first[0].kv_held and first[0].finish_reason is None
@@ -128,7 +59,7 @@ def test_prefill_engine_holds_the_kv_and_reports_no_finish_for_a_request_that_go
 
 def test_decode_engine_never_computes_a_prompt_token(pair):
     for i, prompt in enumerate(PROMPTS):
-        pair.submit(f"r{i}", prompt)
+        pair.submit(f"r{i}", prompt, GREEDY)
     pair.run()
     assert pair.decode.counters.prefill_tokens == 0
     assert pair.decode.counters.decode_tokens == sum(GREEDY.max_tokens - 1 for _ in PROMPTS)
@@ -136,7 +67,7 @@ def test_decode_engine_never_computes_a_prompt_token(pair):
 
 def test_every_block_is_free_on_both_sides_once_the_handoffs_are_acked(pair):
     for i, prompt in enumerate(PROMPTS):
-        pair.submit(f"r{i}", prompt)
+        pair.submit(f"r{i}", prompt, GREEDY)
     pair.run()
     for engine in (pair.prefill, pair.decode):
         engine.pool.check_integrity()
@@ -152,7 +83,7 @@ def test_a_request_that_ends_at_its_first_token_is_not_handed_off(pair):
 
 
 def test_aborting_a_held_request_frees_its_prefill_blocks_at_once(pair):
-    pair.submit("r0", PROMPTS[4])
+    pair.submit("r0", PROMPTS[4], GREEDY)
     pair.prefill.step()
     pair.prefill.save_kv()
     assert pair.prefill.cache_stats()["used_blocks"] > 0 and "r0" in pair.out_conn.in_flight
@@ -168,8 +99,8 @@ def test_a_payload_that_does_not_fit_fails_only_its_own_request(pair, colocated)
             rkv.payload = rkv.payload[:, :, :1]  # one block short of its header
         pair.admit(rkv)
 
-    pair.submit("bad", PROMPTS[5])
-    pair.submit("good", PROMPTS[2])
+    pair.submit("bad", PROMPTS[5], GREEDY)
+    pair.submit("good", PROMPTS[2], GREEDY)
     pair.run(admit_with_one_bad)
     assert pair.finish == {"bad": "error", "good": "length"}
     assert pair.tokens["good"] == colocated[2]
@@ -183,7 +114,7 @@ def test_kv_whose_lease_ran_out_is_never_decoded(pair):
         rkv.meta = with_header(rkv.meta, lease_deadline=time.time() - 1.0)
         pair.admit(rkv)
 
-    pair.submit("late", PROMPTS[1])
+    pair.submit("late", PROMPTS[1], GREEDY)
     pair.run(admit_expired)
     assert pair.finish == {"late": "error"}
     assert len(pair.tokens["late"]) == 1  # only the prefill worker's first token
@@ -191,10 +122,10 @@ def test_kv_whose_lease_ran_out_is_never_decoded(pair):
 
 
 def test_a_decode_engine_short_of_blocks_offloads_instead_of_recomputing_prompts(tiny, colocated):
-    pair = Pair(tiny, decode_blocks=24)  # six requests need 5-8 blocks each: some must wait
+    pair = Pair(tiny, CFG, decode_blocks=24)  # six requests need 5-8 blocks each: some must wait
     try:
         for i, prompt in enumerate(PROMPTS):
-            pair.submit(f"r{i}", prompt)
+            pair.submit(f"r{i}", prompt, GREEDY)
         pair.run()
         assert pair.decode.counters.preemptions > 0 and pair.in_conn.num_offloads > 0
         assert pair.decode.counters.prefill_tokens == 0
@@ -220,14 +151,14 @@ def test_a_duplicate_transfer_is_refused_and_allocates_nothing(pair):
                                     output_token_ids=list(rkv.meta.output_token_ids))
         seen.append(pair.decode.cache_stats()["used_blocks"])
 
-    pair.submit("r0", PROMPTS[2])
+    pair.submit("r0", PROMPTS[2], GREEDY)
     pair.run(admit_twice)
     assert seen == [0]  # nothing allocated before admission, so nothing could leak
     assert pair.finish == {"r0": "length"} and pair.decode.cache_stats()["used_blocks"] == 0
 
 
 def test_a_decode_address_the_transport_cannot_use_fails_only_its_own_request(pair, colocated):
-    pair.submit("good", PROMPTS[1])
+    pair.submit("good", PROMPTS[1], GREEDY)
     pair.prefill.add_request("lost", PROMPTS[4], first_token_only(GREEDY))
     pair.out_conn.expect("lost", HandoffTarget("not-a-zmq-address", "tcp", GREEDY))
     pair.tokens["lost"] = []
@@ -256,8 +187,8 @@ def test_an_error_during_admission_rolls_its_blocks_back_and_fails_only_that_req
         return real(req, block_ids, n, meta)
 
     pair.in_conn.on_allocated = flaky  # type: ignore[method-assign]
-    pair.submit("bad", PROMPTS[3])
-    pair.submit("good", PROMPTS[0])
+    pair.submit("bad", PROMPTS[3], GREEDY)
+    pair.submit("good", PROMPTS[0], GREEDY)
     pair.run()
     assert pair.finish == {"bad": "error", "good": "length"}
     assert pair.tokens["good"] == colocated[0]
@@ -271,7 +202,7 @@ def test_seeded_sampling_across_the_handoff_equals_one_engine(tiny):
     seeded = [replace_sampling(temperature=1.0, top_p=0.9, seed=11 + i) for i in range(len(PROMPTS))]
     llm = LLM(dtype="float32", loaded=tiny, config=CFG)
     expected = [o.token_ids for o in llm.generate(PROMPTS, seeded, use_tqdm=False)]
-    pair = Pair(tiny)
+    pair = Pair(tiny, CFG)
     try:
         for i, prompt in enumerate(PROMPTS):
             pair.submit(f"r{i}", prompt, seeded[i])
