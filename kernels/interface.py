@@ -109,7 +109,8 @@ def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
 
 
 def check_window(window: int) -> int:
-    """The window as an int, or ValueError for a negative one (0 is no window)."""
-    if window < 0:
-        raise ValueError(f"sliding window must be 0 (none) or a positive number of keys, got {window}")
-    return int(window)
+    """The window, or ValueError for one that is not an int in 0 .. 2**31 - 1 (positions are
+    int32 in the kernels; 0 is no window, and one past any context is plain causal attention)."""
+    if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window < 2**31:
+        raise ValueError(f"sliding window must be an int in 0..2**31-1 (0: none), got {window!r}")
+    return window

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels import triton_decode, triton_prefill, triton_store_kv
-from pdserve.kernels.interface import AttentionBackend, check_shapes
+from pdserve.kernels.interface import AttentionBackend, check_shapes, check_window
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -90,9 +90,11 @@ class TritonBackend(AttentionBackend):
         triton_store_kv.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def prefill_attention(
-        self, q, key, value, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale
-    ) -> torch.Tensor:
+        self, q, key, value, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+        window: int = 0,
+    ) -> torch.Tensor:  # fmt: skip
         _check_cache(q, k_cache, v_cache)
+        check_window(window)
         expected = (q.shape[0], k_cache.shape[2], q.shape[2])
         for name, t in (("key", key), ("value", value)):
             if tuple(t.shape) != expected:
@@ -107,11 +109,15 @@ class TritonBackend(AttentionBackend):
             ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens), ("block_tables", block_tables),
         )  # fmt: skip
         return triton_prefill.prefill_attention(
-            q, key, value, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, float(scale)
-        )
+            q, key, value, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, float(scale),
+            window=window,
+        )  # fmt: skip
 
-    def decode_attention(self, q, k_cache, v_cache, seq_lens, block_tables, scale) -> torch.Tensor:
+    def decode_attention(
+        self, q, k_cache, v_cache, seq_lens, block_tables, scale, window: int = 0
+    ) -> torch.Tensor:
         _check_cache(q, k_cache, v_cache)
+        check_window(window)
         _check_tables(seq_lens, block_tables, q.shape[0])
         _check_device(
             ("q", q),
@@ -121,5 +127,6 @@ class TritonBackend(AttentionBackend):
             ("block_tables", block_tables),
         )
         return triton_decode.decode_attention(
-            q, k_cache, v_cache, seq_lens, block_tables, float(scale), splits=self.decode_splits
-        )
+            q, k_cache, v_cache, seq_lens, block_tables, float(scale),
+            splits=self.decode_splits, window=window,
+        )  # fmt: skip

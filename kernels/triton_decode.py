@@ -4,16 +4,20 @@
     k_cache/v_cache  [N, S, Hkv, D]
     seq_lens         [B]              keys 0 .. seq_lens[b]-1 (the new token's key is stored)
     block_tables     [B, M]           token p of sequence b lives in block block_tables[b, p // S]
+    window           W                keys p with seq_len-W <= p (sliding window); 0: all keys
 
 Stage 1, grid (B, Hkv, SPLITS): program (b, kvh, s) loads each K/V tile once for all G query
-heads of KV head kvh (a [G, D] x [D, BLOCK_N] product) over its slice of the sequence:
+heads of KV head kvh (a [G, D] x [D, BLOCK_N] product) over its slice of the keys it needs:
 
-    tokens 0 ......... per-1 | per ....... 2*per-1 | ... | (SPLITS-1)*per ... seq_len-1
-           split 0           | split 1             |     | split SPLITS-1 (maybe empty)
+    tokens 0 ... first-1 | first .. lo-1 .. first+per-1 | first+per ... | ... seq_len-1
+           not visited   | split 0, keys < lo masked    | split 1       | split SPLITS-1
+                                                                          (maybe empty)
 
-with per = cdiv(cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N, and writes the slice's normalized
-output and its log-sum-exp (base 2). Stage 2, grid (B, Hq), merges the slices by their weights.
-Splitting lets a small batch of long sequences fill the GPU.
+where lo = max(seq_len - W, 0) (0 when W == 0) is the window's first key, first = lo rounded
+down to a multiple of BLOCK_N, and per = cdiv(cdiv(seq_len - first, SPLITS), BLOCK_N) * BLOCK_N.
+Each split writes its slice's normalized output and log-sum-exp (base 2). Stage 2, grid
+(B, Hq), merges the slices by their weights. Splitting lets a small batch of long sequences
+fill the GPU.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ MAX_SPLITS = 32
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr, part_o_ptr, part_lse_ptr,
-    scale_log2, group, head_dim, block_size,
+    scale_log2, group, head_dim, block_size, window,
     stride_qb, stride_qh, stride_qd,
     stride_kn, stride_ks, stride_kh, stride_kd,
     stride_vn, stride_vs, stride_vh, stride_vd,
@@ -46,8 +50,12 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    # Window 0 reaches the whole sequence: lo = first = 0, the causal path.
+    reach = tl.where(window > 0, window, seq_len)
+    lo = tl.maximum(seq_len - reach, 0)
+    first = (lo // BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - first, SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -69,7 +77,7 @@ def _decode_split_kernel(
     table = block_tables_ptr + b.to(tl.int64) * stride_bt_b
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
-        ok = pos < end
+        ok = (pos >= lo) & (pos < end)  # lo masks part of the first tile only
         blk = tl.load(table + (pos // block_size) * stride_bt_m, mask=ok, other=0).to(tl.int64)
         off = pos % block_size
         kv_mask = ok[:, None] & d_ok[None, :]
@@ -97,6 +105,7 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
+    # Every tile holds a key of the window (lo < first + BLOCK_N), so m_i is finite after it.
     # An empty split (short sequence) leaves l_i == 0: output 0 with weight exp2(-inf) = 0.
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
@@ -170,8 +179,10 @@ def decode_attention(
     block_tables: torch.Tensor,
     scale: float,
     splits: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Launch both stages; shapes are validated by the caller. Returns [B, Hq, D] in q's dtype."""
+    """Launch both stages; shapes and `window` >= 0 are validated by the caller.
+    Returns [B, Hq, D] in q's dtype."""
     batch, num_heads, head_dim = q.shape
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
@@ -180,6 +191,8 @@ def decode_attention(
     group = num_heads // num_kv_heads
     # The table's width bounds every sequence's length without reading seq_lens on the host.
     max_len = block_tables.shape[1] * block_size
+    if window > 0:  # a window spans at most W keys from a tile-aligned start
+        max_len = min(max_len, window + BLOCK_N - 1)
     if splits is None:
         splits = num_splits(batch, num_kv_heads, max_len, q.device)
     part_o = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
@@ -188,7 +201,7 @@ def decode_attention(
     split_kernel = for_device(_decode_split_kernel, q.device)
     split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, seq_lens, block_tables, part_o, part_lse,
-        scale * LOG2E, group, head_dim, block_size,
+        scale * LOG2E, group, head_dim, block_size, window,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *part_o.stride(), *part_lse.stride(),
         SPLITS=splits, BLOCK_G=pow2_at_least(group, 16), BLOCK_N=BLOCK_N, BLOCK_D=block_d,

@@ -102,3 +102,18 @@ def test_chunked_prefill_over_cached_prefix_matches_reference(engines, prompts, 
     outs = run_both(engines, [extended])
     assert outs["triton"][0].num_cached_tokens == cached
     assert_same(outs)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
+def test_other_families_through_triton_match_reference(family, tmp_path):
+    """Qwen2's biases, Qwen3's q/k norms and Gemma 3's windows (5, smaller than a block of 4's
+    multiples) with its local rotary base: the Triton path gives the reference path's tokens, with
+    chunked prompts longer than the window."""
+    from tests.helpers.tiny_models import make_tiny_dir
+
+    path = str(make_tiny_dir(tmp_path / family, family))
+    kw = dict(device=DEVICE, dtype="float32", policy="chunked", block_size=BLOCK, num_kv_blocks=64,
+              max_num_batched_tokens=BUDGET, max_model_len=128)
+    engines = {name: LLM(path, attention_backend=name, **kw) for name in ("reference", "triton")}
+    prompts = [engines["reference"].tokenizer.encode(t) for t in TEXTS[1:]]
+    assert_same(run_both(engines, prompts))
