@@ -1,7 +1,8 @@
 """Engine overhead and roofline: decode steps and prefills next to the model's bare matmuls and
 next to what this machine can do at best.
 
-    python -m pdserve.bench.engine_overhead [--threads 1] [--model default] [--dtype float32]
+    python -m pdserve.bench.engine_overhead [--threads 1] [--model default|DIR|FILE.gguf] [--dtype float32]
+                                            [--prefill 64,256,1024] [--json PATH]
 
 The same run measures the machine: its GEMM rate (the best of square and prefill-shaped torch
 matmuls in the engine's dtype, and of the engine's own linear on the prefill shape) and its
@@ -40,13 +41,16 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+from pdserve.bench.report import write_json
 from pdserve.config.engine import add_engine_arguments, engine_config
 from pdserve.engine.engine import Engine
 from pdserve.kernels.huge_pages import zeros_on_huge_pages
-from pdserve.model.llama import DecoderLayer, Linear
+from pdserve.kernels.linear import Linear
+from pdserve.model.llama import DecoderLayer
 from pdserve.model.weights import load_model
 from pdserve.protocol.sampling import SamplingParams
 
@@ -174,6 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_arguments(p)  # --model, --dtype, --threads (here 0 means 1), --cpu-linear, --fused-ops, ...
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--context", type=int, default=256, help="tokens already in each decoding request")
+    p.add_argument("--prefill", type=_token_counts, default=(64, 256, 1024),
+                   help="prompt lengths of the prefill cases, comma-separated (default: 64,256,1024)")
+    p.add_argument("--json", type=Path, help="also write every case's figures to this JSON file")
     p.add_argument("--profile", action="store_true",
                    help="instead: torch.profiler's breakdown of a decode step and a prefill (see --batch, --tokens)")
     p.add_argument("--batch", type=int, default=32, help="with --profile: the decode step's batch")
@@ -217,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'case':<22}{'engine ms':>10}{'matmuls ms':>11}{'ratio':>6}{'tokens/s':>9}{'GFLOP/s':>8}{'GB/s':>6}"
           f"{'1T GB/s':>8}{'roofline ms':>12}{'of roofline':>12}{'of GEMM':>8}")
     rows = []
+    cases: list[dict] = []
 
     def case(name: str, tokens: int, run: Callable[[], float], sampled: int, context: int, decode: bool) -> None:
         before = machine()
@@ -229,16 +237,25 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:<22}{e * 1e3:>10.1f}{m * 1e3:>11.1f}{e / m:>6.2f}{tokens / e:>9.1f}{gemm / 1e9:>8.0f}"
               f"{bandwidth / 1e9:>6.1f}{one_thread / 1e9:>8.1f}{roof * 1e3:>12.1f}{roof / e:>12.2f}{flops / e / gemm:>8.2f}", flush=True)
         rows.append((e, flops, nbytes))
+        cases.append({"case": name, "kind": "decode" if decode else "prefill", "tokens": tokens, "context": context,
+                      "engine_s": e, "matmuls_s": m, "flops": flops, "bytes": nbytes, "gemm_flops_s": gemm,
+                      "read_bytes_s": bandwidth, "one_thread_read_bytes_s": one_thread, "roofline_s": roof})
 
     for batch in (1, 8, 32):
         case(f"decode batch {batch}", batch,
              functools.partial(decode_step_time, engine, batch, args.context, args.repeats), batch, args.context, True)
-    for tokens in (64, 256, 1024):
+    for tokens in args.prefill:
         case(f"prefill {tokens} tokens", tokens, functools.partial(prefill_time, engine, tokens, args.repeats), 1, 0,
              False)
     strict = [max(nbytes / best["bandwidth"], flops / best["gemm"]) / e for e, flops, nbytes in rows]
     print(f"the run's best: GEMM {best['gemm'] / 1e9:.1f} GFLOP/s, memory read {best['bandwidth'] / 1e9:.1f} GB/s; "
           "of roofline against them: " + ", ".join(f"{f:.2f}" for f in strict))
+    if args.json:
+        write_json(args.json, {
+            "model": loaded.name, "dtype": str(dtype).removeprefix("torch."), "threads": args.threads,
+            "cpu": cpu_name(), "attention": engine.runner.backend.name, "linears": engine.runner.cpu_linear,
+            "repeats": args.repeats, "best_gemm_flops_s": best["gemm"], "best_read_bytes_s": best["bandwidth"],
+            "cases": cases})
 
 
 def profile(engine: Engine, context: int, repeats: int, batch: int = 32, prefill_tokens: int = 256) -> None:
@@ -274,6 +291,13 @@ def profile(engine: Engine, context: int, repeats: int, batch: int = 32, prefill
         engine.step()
 
     table(f"prefill, {prefill_tokens} tokens", prefill)
+
+
+def _token_counts(text: str) -> tuple[int, ...]:
+    counts = tuple(int(x) for x in text.split(",") if x.strip())
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive token counts such as 64,256, got {text!r}")
+    return counts
 
 
 def cpu_name() -> str:

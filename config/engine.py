@@ -91,8 +91,11 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("require_cpu_kernels", "--require-cpu-kernels", bool, "fail instead of running the PyTorch reference where "
                                                           "the compiled CPU kernels cannot load"),
     ("kernel_cache", "--kernel-cache", str, "folder for kernels built here (default ~/.cache/pdserve/kernels)"),
-    ("cpu_linear", "--cpu-linear", str, "the CPU projections: auto, tiles (bfloat16 on AMX / AVX512-BF16), pdserve "
-                                        "(compiled panels), onednn or mkl; a choice the CPU cannot run falls back"),
+    ("cpu_linear", "--cpu-linear", str, "the CPU projections: tiles (or amx: bfloat16 tiles on AMX / AVX512-BF16), "
+                                        "pdserve (compiled panels), onednn (oneDNN's packed matmul), mkl (the plain "
+                                        "weight) or auto: tiles for bfloat16 where they run natively, else onednn on "
+                                        "AVX-512 CPUs and for bfloat16, else pdserve; a choice the CPU cannot run "
+                                        "falls back in that order (kernels/linear.py)"),
     ("fused_ops", "--fused-ops", bool, "RMSNorm, SiLU-mul and rotary compiled (and on the CPU each step's layers in "
                                        "one call); --no-fused-ops runs them in eager PyTorch"),
     ("kv_prefetch", "--kv-prefetch", bool, "read the next layer's KV ahead under the MLP (the CPU tile kernels)"),

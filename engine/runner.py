@@ -8,7 +8,6 @@ Only the rows of sequences that finish their known tokens this step reach the LM
 
 from __future__ import annotations
 
-import logging
 from array import array
 
 import torch
@@ -21,14 +20,15 @@ from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.engine.scheduler import ScheduledRequest
 from pdserve.kernels.backends import get_backend
 from pdserve.kernels.cpu_backend import COMPILED_DTYPES, CpuBackend
-from pdserve.kernels.cpu_linear import tile_kernel, tiles_run
 from pdserve.kernels.huge_pages import fault_in_background, zeros_on_huge_pages
+from pdserve.kernels.linear import (
+    linears_fit_tiles,
+    select_linear_method,
+    use_linear_method,
+)
 from pdserve.model.attention_metadata import AttentionMetadata
-from pdserve.model.config import ModelConfig, cpu_has_avx512, resolve_dtype, torch_dtype
-from pdserve.model.llama import LlamaForCausalLM, onednn_linear_available
-
-log = logging.getLogger(__name__)
-
+from pdserve.model.config import ModelConfig, resolve_dtype, torch_dtype
+from pdserve.model.llama import LlamaForCausalLM
 
 
 def _tensor(values: array, dtype: torch.dtype) -> torch.Tensor:
@@ -103,36 +103,14 @@ class ModelRunner:
         return self.kv_fault_in is None or not self.kv_fault_in.is_alive()
 
     def _pack_cpu_linears(self) -> str:
-        """Pick and pack the CPU matmul (--cpu-linear): the bfloat16 tile kernel, the compiled
-        panel kernel, oneDNN's packed matmul, or MKL on the plain weight. `auto` takes the tiles for
-        bfloat16 where they run natively, on AMX or with AVX512-BF16 (they read decode steps'
-        weights faster than oneDNN); else oneDNN on CPUs with AVX-512 (its kernels use 512-bit
-        vectors, where our panel kernel is 8 wide) and for bfloat16 wherever oneDNN computes it;
-        the compiled panel kernel elsewhere (AVX2) when it built. A choice this machine cannot run
-        falls back in that order. `python -m pdserve.bench.engine_overhead
-        --cpu-linear <choice>` measures each against the default (docs/cpu_kernels.md)."""
-        choice = self.config.cpu_linear
+        """Pick the CPU matmul once, at load (--cpu-linear; kernels.linear.select_linear_method
+        holds `auto`'s rule and the fallbacks), and pack every projection for it. Returns the
+        --cpu-linear name of what runs: tiles, pdserve, onednn or mkl."""
         ops = self.compiled_ops
-        tiles = self.dtype == torch.bfloat16 and tiles_run(ops) and self.model.tiles_fit()
-        onednn = onednn_linear_available(self.dtype)
-        if choice == "auto":
-            prefer_onednn = self.dtype == torch.bfloat16 or cpu_has_avx512()
-            choice = "tiles" if tiles else "onednn" if (onednn and prefer_onednn) or ops is None else "pdserve"
-        if choice in ("tiles", "amx"):
-            if tiles:  # and oneDNN's packing for the larger steps, where it is faster (cpu_linear.TILE_MAX_ROWS)
-                self.model.pack_cpu_linears("tiles+onednn" if onednn else "tiles", ops)
-                log.info("CPU linears: bfloat16 tiles on %s", tile_kernel(ops))
-                return "tiles"
-            log.warning("--cpu-linear=%s: this CPU, dtype or model cannot run the tile kernel natively (%s); "
-                        "falling back", choice, tile_kernel(ops))
-            choice = "pdserve"
-        if choice == "pdserve" and ops is not None:
-            self.model.pack_cpu_linears("panels", ops)
-            return "pdserve"
-        if choice in ("pdserve", "onednn") and onednn:
-            self.model.pack_cpu_linears("onednn")
-            return "onednn"
-        return "mkl"
+        method = select_linear_method(self.config.cpu_linear, self.dtype, self.device, ops,
+                                      weights_fit_tiles=linears_fit_tiles(self.model))
+        use_linear_method(self.model, method)
+        return method.cpu_linear
 
     def read_blocks(self, block_ids: BlockIds) -> torch.Tensor:
         """A contiguous copy of these blocks, [L, 2, n, S, Hkv, D] (what a KV save ships)."""

@@ -14,129 +14,13 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import cpu_linear
-from pdserve.kernels.huge_pages import copies_on_huge_pages, huge_page_share
 from pdserve.kernels.interface import AttentionBackend
+from pdserve.kernels.linear import Linear, act_mul
 from pdserve.model.attention_metadata import AttentionMetadata
 from pdserve.model.config import ModelConfig
-
-
-class Linear(nn.Module):
-    """y = x W^T, with W [out, in] stored transposed ([in, out] contiguous).
-
-    On the CPU, MKL runs the small-batch matmuls of decode steps faster against this layout than
-    F.linear against [out, in]; big prefill batches and CUDA do not care. Two packed CPU copies
-    go further (the plain weight stays, for the other paths):
-    - `pack_panels(ops)`: panels of 24 output columns for the compiled kernel
-      (kernels/csrc/cpu_linear.cpp), which streams each weight once per block of rows: on AVX2
-      CPUs faster than oneDNN from 1 to 256 rows.
-    - `pack_onednn()`: oneDNN's blocked layout, read directly by its matmul (faster than MKL at
-      decode sizes); the choice for bfloat16 where the CPU has AVX512-BF16 but no AMX, and for
-      float32 on AVX-512 CPUs.
-    - `pack_tiles(ops)`: AMX tiles for the compiled tile kernel (kernels/csrc/cpu_linear_tiles.cpp),
-      bfloat16 only, which streams the weights of decode steps faster than oneDNN. With
-      `onednn=True` the oneDNN copy is kept too, for steps of more than cpu_linear.TILE_MAX_ROWS
-      rows (large prefills), where oneDNN is faster.
-    `PDSERVE_CPU_LINEAR=<choice> python -m pdserve.bench.engine_overhead` measures each layout
-    (docs/cpu_kernels.md, "Projections").
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, gate_up_of: int = 0) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(in_features, out_features).t())
-        # Added after the matmul, whichever layout runs it (Qwen2's q/k/v).
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.out_features = out_features
-        self.packed: torch.Tensor | None = None
-        self.panels: torch.Tensor | None = None
-        self.tiles: torch.Tensor | None = None
-        self.ops: object | None = None
-        # A gate/up projection's intermediate size (0 for any other): its tiles then pair the two
-        # halves' groups, as the fused SiLU-mul kernel reads them (cpu_linear.pack_gate_up_tiles).
-        self.gate_up_of = gate_up_of
-
-    def pack_onednn(self, batch_hint: int = 64) -> None:
-        """Keep a oneDNN-packed copy of the weight for the CPU matmul (the weight itself stays)."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(), batch_hint)
-
-    def pack_panels(self, ops: object) -> None:
-        """Keep a panel-packed copy for torch.ops.pdserve_cpu.linear (the weight itself stays)."""
-        self.panels = cpu_linear.pack_weight(self.weight.detach())
-        self.ops = ops
-
-    def pack_tiles(self, ops: object, onednn: bool = False) -> None:
-        """Keep a tile copy for torch.ops.pdserve_cpu.tile_linear (AMX or VDPBF16PS), and with
-        `onednn` a oneDNN-packed one for steps of more than TILE_MAX_ROWS rows (the weight itself
-        stays)."""
-        if self.tiles_paired:
-            self.tiles = cpu_linear.pack_gate_up_tiles(self.weight.detach(), self.gate_up_of)
-        else:
-            self.tiles = cpu_linear.pack_tiles(self.weight.detach())
-        self.ops = ops
-        if onednn:
-            self.pack_onednn()
-
-    @property
-    def tiles_paired(self) -> bool:
-        """Whether the tiles (once packed) pair the gate's and the up's groups."""
-        return self.gate_up_of > 0 and cpu_linear.tiles_fuse_silu_mul(self.gate_up_of)
-
-    @property
-    def large_step_weight(self) -> torch.Tensor | None:
-        """The packed copy that steps of more than cpu_linear.TILE_MAX_ROWS rows read instead of
-        compiled_weight, where there is one (oneDNN's beside AMX tiles), else None."""
-        return self.packed if self.tiles is not None and self.packed is not None else None
-
-    @property
-    def compiled_weight(self) -> torch.Tensor | None:
-        """The packed copy the compiled decoder layers read (ops.h `project` tells the layouts by
-        rank); AMX tiles where both they and oneDNN's copy exist."""
-        for w in (self.panels, self.tiles, self.packed):
-            if w is not None:
-                return w
-        return None
-
-    def tiles_for(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The AMX tiles when forward(x) runs on them, else None."""
-        rows = x.numel() // x.shape[-1]
-        if self.packed is None or rows <= cpu_linear.TILE_MAX_ROWS:
-            return self.tiles
-        return None
-
-    def forward(self, x: torch.Tensor, tile_order: bool = False) -> torch.Tensor:
-        """x W^T (+ b); with `tile_order`, through paired gate/up tiles the columns stay in the
-        tiles' pairs (as the compiled layers read them) instead of being put back in order."""
-        y = self._matmul(x, tile_order)
-        return y if self.bias is None else y.add_(self.bias)
-
-    def _matmul(self, x: torch.Tensor, tile_order: bool) -> torch.Tensor:
-        tiles = self.tiles_for(x)
-        if tiles is not None:
-            y = cpu_linear.tile_linear(self.ops, x, tiles, self.out_features)
-            return cpu_linear.unpair_gate_up(y, self.gate_up_of) if self.tiles_paired and not tile_order else y
-        if self.panels is not None:
-            return cpu_linear.linear(self.ops, x, self.panels, self.out_features)
-        if self.packed is not None:
-            if self.ops is not None:  # the compiled op, which splits mid-sized steps' rows between threads
-                return self.ops.onednn_linear(x, self.packed)  # type: ignore[attr-defined]
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return x @ self.weight.t()
-
-
-# The share of the packed weights' mapping on huge pages from which the tile kernels count them as
-# there (the mapping's tail past its last whole huge page never is).
-HUGE_PAGE_SHARE = 0.9
-
-def onednn_linear_available(dtype: torch.dtype) -> bool:
-    """Whether this torch can run packed oneDNN linears in `dtype` on this CPU."""
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        return False
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return dtype == torch.float32
 
 
 class RMSNorm(nn.Module):
@@ -272,20 +156,10 @@ class MLP(nn.Module):
         self.fused = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act == "gelu_tanh":  # GeGLU (Gemma): no fused kernel, eager
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        if self.fused is not None:
-            # SiLU-mul inside the gate/up projection's own kernel where forward(x) runs one that can.
-            gate_up, inter = self.gate_up_proj, self.intermediate_size
-            tiles = gate_up.tiles_for(x)
-            if tiles is not None and cpu_linear.tiles_fuse_silu_mul(inter):
-                return self.down_proj(cpu_linear.tile_linear_silu_mul(gate_up.ops, x, tiles, inter))
-            if tiles is None and gate_up.panels is not None and cpu_linear.fuses_silu_mul(inter):
-                return self.down_proj(cpu_linear.linear_silu_mul(gate_up.ops, x, gate_up.panels, inter))
-            return self.down_proj(self.fused.silu_mul(gate_up(x)))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj
+        if self.fused is not None:  # the activation inside the gate/up kernel where its method has one
+            return self.down_proj(gate_up.method.apply_act_mul(gate_up, x, self.intermediate_size, self.act, self.fused))
+        return self.down_proj(act_mul(gate_up(x), self.act))
 
 
 class DecoderLayer(nn.Module):
@@ -315,21 +189,30 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm.add_norm_(x, a)
         return self.mlp(h)
 
-    def compiled_args(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple]:
-        """This layer's (weights, large-step weights, dims) for ops.decoder_layers_, reading the
-        packed weights (panels, AMX tiles or oneDNN's layout, whichever pack_cpu_linears made);
-        the large-step weights are empty unless every projection keeps a second packing."""
+    def compiled_args(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple, tuple[int, bool]]:
+        """This layer's (weights, large-step weights, dims, (window, local rope)) for
+        ops.decoder_layers_, reading the packed weights (panels, AMX tiles or oneDNN's layout,
+        whichever use_linear_method made); the large-step weights are empty unless every projection
+        keeps a second packing. The weights are a Llama's six (input norm, post-attention norm,
+        qkv, o, gate/up, down), and for any other family five more, an empty tensor for each it
+        lacks: the qkv bias, the q and k norms, the pre- and post-feedforward norms
+        (cpu_decoder_layer.cpp)."""
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         packed = [w for w in (p.compiled_weight for p in projections) if w is not None]
         if len(packed) != len(projections):
-            raise ValueError("use_compiled_layers needs every projection packed first (pack_cpu_linears)")
+            raise ValueError("use_compiled_layers needs every projection packed first (use_linear_method)")
         large = [w for w in (p.large_step_weight for p in projections) if w is not None]
         if large and len(large) != len(projections):
             raise ValueError("use_compiled_layers needs a second packing for every projection or for none")
         weights = (self.input_layernorm.weight, self.post_attention_layernorm.weight, *packed)
+        sandwich = (self.pre_feedforward_layernorm, self.post_feedforward_layernorm) if self.sandwich else (None, None)
+        extras = (attn.qkv_proj.bias, attn.q_norm, attn.k_norm, *sandwich)
+        if any(e is not None for e in extras):
+            none = self.input_layernorm.weight.new_empty(0)
+            weights += tuple(none if e is None else e if isinstance(e, torch.Tensor) else e.weight for e in extras)
         dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size, self.input_layernorm.eps, attn.scale)
-        return weights, tuple(large), dims
+        return weights, tuple(large), dims, (attn.window, self.local_rope)
 
 
 class LlamaModel(nn.Module):
@@ -367,9 +250,13 @@ def fuse_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 @dataclass(frozen=True, slots=True)
 class CompiledLayers:
     """What ops.decoder_layers_ takes besides a step: every layer's weights (norms and packed
-    projections, six a layer), the large-step packings (four a layer, or none), the layers'
-    dimensions, whether steps with prompts run through it too (else decode-only ones), and whether
-    the MLP may prefetch the next layer's KV (kv_prefetch)."""
+    projections, six a layer; eleven for families other than a Llama, DecoderLayer.compiled_args),
+    the large-step packings (four a layer, or none), the layers' dimensions, whether steps with
+    prompts run through it too (else decode-only ones), whether the MLP may prefetch the next
+    layer's KV (kv_prefetch), and `options`, the arguments after kv_prefetch: empty for a Llama,
+    else (windows, local_rope, activation) per cpu_decoder_layer.cpp (one window and one 0/1 local
+    rope flag per layer; 0 SiLU, 1 GELU-tanh); the call appends the local rotary tables where the
+    model has them."""
 
     ops: object
     weights: list[torch.Tensor]
@@ -377,6 +264,7 @@ class CompiledLayers:
     dims: tuple
     prefills: bool
     kv_prefetch: bool = True
+    options: tuple = ()
 
 
 class LlamaForCausalLM(nn.Module):
@@ -404,11 +292,13 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
         c = self._compiled
         if c is not None and (c.prefills or meta.num_decode_tokens == x.shape[0]):
+            local = self.model.rotary_local  # only a family's options go before its tables
+            tables = () if local is None or not c.options else (local.cos, local.sin)
             return c.ops.decoder_layers_(  # type: ignore[attr-defined]
                 x, c.weights, c.large_weights, cpu_linear.TILE_MAX_ROWS, self.model.norm.weight, positions,
                 self.model.rotary.cos, self.model.rotary.sin, kv_cache, meta.slot_mapping, meta.num_decode_tokens,
                 meta.decode_seq_lens, meta.decode_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
-                meta.prefill_block_tables, *c.dims, c.kv_prefetch,
+                meta.prefill_block_tables, *c.dims, c.kv_prefetch, *c.options, *tables,
             )
         # Each residual add goes with the norm after it (RMSNorm.add_norm_); x, the embeddings'
         # output, is this step's own, updated in place.
@@ -430,15 +320,14 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def compiles_layers(self) -> bool:
-        """Whether ops.decoder_layers_ implements this model's layers: a Llama's math (no biases,
-        q/k norms, sandwich norms, windows, scaled embeddings or GELU); other families run their
-        layers through the PyTorch modules (with the compiled ops each one calls)."""
-        c = self.config
-        return not (c.qkv_bias or c.qk_norm or c.sandwich_norms or c.hidden_act != "silu" or any(c.layer_windows))
+        """Whether ops.decoder_layers_ implements this model's layers: every family's (q/k/v
+        biases, q/k norms, sandwich norms, sliding windows and their rotary tables, SiLU or
+        GELU-tanh; embed_scale and the logits' softcap are applied outside the layers)."""
+        return self.config.hidden_act in ("silu", "gelu_tanh")
 
     def use_compiled_layers(self, ops, kv_prefetch: bool = True) -> None:
         """Run every layer of a step in one compiled call, ops.decoder_layers_ (after use_fused_ops
-        and pack_cpu_linears: it reads the packed weights): every decode-only step, and steps with
+        and use_linear_method: it reads the packed weights): every decode-only step, and steps with
         prompts where the attention backend's prefills are the compiled op for this dtype and head
         size (AttentionBackend.compiles_prefill). The PyTorch layers stay the path of every other
         step and the oracle. `ops` None turns it off (the tests' lockstep oracle). `kv_prefetch`
@@ -448,48 +337,27 @@ class LlamaForCausalLM(nn.Module):
             return
         layers = [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
         args = [layer.compiled_args() for layer in layers]
-        if len({dims for _, _, dims in args}) != 1:
+        if len({dims for _, _, dims, _ in args}) != 1:
             raise ValueError("use_compiled_layers runs layers of one shape")
-        if len({bool(large) for _, large, _ in args}) > 1:
+        if len({bool(large) for _, large, _, _ in args}) > 1:
             raise ValueError("use_compiled_layers needs a second packing in every layer or in none")
+        if len({len(weights) for weights, _, _, _ in args}) > 1:
+            raise ValueError("use_compiled_layers runs layers with the same options")
         dims = args[0][2]
+        windows = [window for _, _, _, (window, _) in args]
+        local_rope = [int(local) for _, _, _, (_, local) in args]
+        if any(local_rope) and self.model.rotary_local is None:
+            raise ValueError("a layer reads the local rotary tables, which the model lacks")
+        activation = {"silu": 0, "gelu_tanh": 1}[self.config.hidden_act]  # decoder_layers_'s codes
+        # A Llama passes none of them: its call is the one it always was.
+        family = len(args[0][0]) > 6 or any(windows) or activation != 0
+        options = (windows, local_rope, activation) if family else ()
         backend = layers[0].self_attn.backend if layers else None
         prefills = backend is not None and backend.compiles_prefill(self.lm_head.weight.dtype, dims[2])
         self._compiled = CompiledLayers(
-            ops, [w for weights, _, _ in args for w in weights], [w for _, large, _ in args for w in large], dims,
-            prefills, kv_prefetch,
+            ops, [w for weights, _, _, _ in args for w in weights], [w for _, large, _, _ in args for w in large],
+            dims, prefills, kv_prefetch, options,
         )
-
-    def pack_cpu_linears(self, layout: str, ops: object | None = None) -> int:
-        """Pack every projection and the LM head (CPU only) in `layout`: "onednn", or for the
-        compiled kernels (`ops`, torch.ops.pdserve_cpu) "panels", "tiles" (AMX, bfloat16) or
-        "tiles+onednn" (tiles for small steps, oneDNN for large). Returns how many."""
-        if layout not in ("onednn", "panels", "tiles", "tiles+onednn"):
-            raise ValueError(f"layout {layout!r}: expected onednn, panels, tiles or tiles+onednn")
-        if layout != "onednn" and ops is None:
-            raise ValueError(f"layout {layout!r} needs the compiled ops")
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
-        for m in linears:
-            if layout == "onednn":
-                m.pack_onednn()
-            elif layout == "panels":
-                m.pack_panels(ops)
-            else:
-                m.pack_tiles(ops, onednn=layout == "tiles+onednn")
-        # The compiled kernels' copies, streamed whole at every decode step: on huge pages.
-        name = "tiles" if layout.startswith("tiles") else layout  # the attribute the layout fills
-        if name != "onednn":  # oneDNN's packed copies are opaque tensors: they stay where they are
-            copies = copies_on_huge_pages([getattr(m, name) for m in linears])
-            for m, copy in zip(linears, copies, strict=True):
-                setattr(m, name, copy)
-            if name == "tiles":  # one mapping: on huge pages, the smallest steps leave their stream to the hardware
-                on_huge = bool(copies) and huge_page_share(copies[0]) >= HUGE_PAGE_SHARE
-                ops.set_tile_weights_on_huge_pages(on_huge)  # type: ignore[union-attr]
-        return len(linears)
-
-    def tiles_fit(self) -> bool:
-        """Whether every Linear can be packed into AMX tiles (bfloat16, K a multiple of 32)."""
-        return all(cpu_linear.tiles_fit(m.weight) for m in self.modules() if isinstance(m, Linear))
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
