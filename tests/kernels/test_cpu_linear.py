@@ -1,9 +1,9 @@
-"""The CPU projections (model/llama.py Linear): the compiled panel kernel (kernels/csrc/
-cpu_linear.cpp, the default for float32) and oneDNN's packed matmul compute the plain matmul,
-at every row count the kernel tiles differently (0, 1, a partial tile, whole tiles, several row
-blocks), over output widths that are not a multiple of the panel, on strided rows; bad inputs
-raise; --cpu-linear picks the path, and a whole engine's greedy output is the same on all
-three."""
+"""The CPU projections (kernels/linear.py's PanelLinear and OneDnnLinear): the compiled panel
+kernel (kernels/csrc/cpu_linear.cpp, float32's default on AVX2) and oneDNN's packed matmul
+compute the plain matmul, at every row count the kernel tiles differently (0, 1, a partial tile,
+whole tiles, several row blocks), over output widths that are not a multiple of the panel, on
+strided rows; bad inputs raise; --cpu-linear picks the path, and a whole engine's greedy output
+is the same on all three."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ import torch
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.kernels import cpu_linear
-from pdserve.model.llama import Linear, onednn_linear_available
+from pdserve.kernels.linear import (
+    Linear,
+    OneDnnLinear,
+    PanelLinear,
+    onednn_linear_available,
+    use_linear_method,
+)
 from tests.helpers.engine_runs import greedy_tokens
 
 
@@ -39,7 +45,7 @@ def test_the_compiled_linear_computes_the_plain_matmul(ops, rows, out_features, 
     torch.nn.init.normal_(lin.weight)
     x = torch.randn(rows, in_features + 8)[:, :in_features]  # strided rows, as a slice of a fused projection
     with torch.inference_mode():
-        lin.pack_panels(ops)
+        use_linear_method(lin, PanelLinear(ops))
         got = lin(x)
     assert got.shape == (rows, out_features)
     torch.testing.assert_close(got, x @ lin.weight.t(), atol=1e-4 * in_features**0.5, rtol=1e-5)
@@ -136,8 +142,7 @@ def test_the_mlp_applies_silu_mul_in_the_gate_up_kernel_where_its_halves_are_who
     x = torch.randn(6, 32)
     with torch.inference_mode():
         eager = mlp(x)
-        for lin in (mlp.gate_up_proj, mlp.down_proj):
-            lin.pack_panels(ops)
+        assert use_linear_method(mlp, PanelLinear(ops)) == 2
         mlp.fused = ops
         calls = []
         fused = cpu_linear.linear_silu_mul
@@ -158,8 +163,8 @@ def test_an_engine_whose_mlp_fuses_gives_the_tokens_of_the_plain_matmuls(tmp_pat
     fused_engine, fused = greedy(model, monkeypatch, "pdserve")
     plain_engine, plain = greedy(model, monkeypatch, "mkl")
     assert fused_engine.runner.compiled_layers
-    assert all(m.panels is not None for m in linears(fused_engine))
-    assert all(m.panels is None for m in linears(plain_engine))
+    assert copies(fused_engine) == {"panels"}
+    assert copies(plain_engine) == set()
     assert all(len(v) == 12 for v in fused.values())
     assert fused == plain
 
@@ -172,9 +177,9 @@ def test_a_onednn_packed_linear_computes_the_plain_matmul(rows):
     x = torch.randn(rows, 200)[:, :96]
     with torch.inference_mode():
         plain = lin(x)
-        lin.pack_onednn()
+        use_linear_method(lin, OneDnnLinear())
         packed = lin(x)
-    assert lin.packed is not None and packed.shape == (rows, 160)
+    assert set(lin.copies) == {"onednn"} and packed.shape == (rows, 160)
     torch.testing.assert_close(packed, x @ lin.weight.t(), atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(packed, plain, atol=1e-4, rtol=1e-5)
 
@@ -214,22 +219,25 @@ def greedy(tiny, monkeypatch, mode):
     return engine, greedy_tokens(engine, prompts, 12)
 
 
-def linears(engine):
-    return [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
+def copies(engine) -> set[str]:
+    """The packed copies the engine's Linears hold, checked to be the same for every one."""
+    kinds = {frozenset(m.copies) for m in engine.runner.model.modules() if isinstance(m, Linear)}
+    assert len(kinds) == 1, kinds
+    return set(kinds.pop())
 
 
 @pytest.mark.parametrize("avx512", [False, True])
 def test_auto_runs_the_compiled_linear_on_avx2_and_onednn_on_avx512_in_float32(tiny, monkeypatch, avx512):
-    import pdserve.engine.runner as runner
+    from pdserve.kernels import linear
 
-    monkeypatch.setattr(runner, "cpu_has_avx512", lambda: avx512)
+    monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx2", "avx512f"} if avx512 else {"avx2"}))
     engine, out = greedy(tiny, monkeypatch, None)
     if avx512:
         assert engine.runner.cpu_linear == "onednn"
-        assert all(m.packed is not None and m.panels is None for m in linears(engine))
+        assert copies(engine) == {"onednn"}
     else:
         assert engine.runner.cpu_linear == "pdserve"
-        assert all(m.panels is not None and m.packed is None for m in linears(engine))
+        assert copies(engine) == {"panels"}
     assert engine.runner.compiled_layers, "either packing runs decode steps through the compiled layer"
     assert all(len(v) == 12 for v in out.values())
 
@@ -239,11 +247,11 @@ def test_each_linear_choice_gives_the_same_tokens(tiny, monkeypatch):
     onednn_engine, onednn = greedy(tiny, monkeypatch, "onednn")
     plain_engine, plain = greedy(tiny, monkeypatch, "mkl")
     assert default_engine.runner.cpu_linear == "pdserve"
-    assert all(m.panels is not None and m.packed is None for m in linears(default_engine))
+    assert copies(default_engine) == {"panels"}
     assert onednn_engine.runner.cpu_linear == "onednn"
-    assert all(m.packed is not None and m.panels is None for m in linears(onednn_engine))
+    assert copies(onednn_engine) == {"onednn"}
     assert plain_engine.runner.cpu_linear == "mkl"
-    assert all(m.packed is None and m.panels is None for m in linears(plain_engine))
+    assert copies(plain_engine) == set()
     assert all(len(v) == 12 for v in default.values())
     assert default == onednn == plain
 

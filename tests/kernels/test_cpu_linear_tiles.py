@@ -11,12 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-import pdserve.engine.runner as runner_module
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.kernels import cpu_linear
+from pdserve.kernels import linear as linear_module
+from pdserve.kernels.linear import (
+    Linear,
+    TileLinear,
+    TileOneDnnLinear,
+    onednn_linear_available,
+    use_linear_method,
+)
 from pdserve.model.config import cpu_flags
-from pdserve.model.llama import Linear, onednn_linear_available
 from tests.helpers.engine_runs import greedy_tokens
 
 
@@ -55,7 +61,7 @@ def test_the_tile_linear_computes_the_plain_matmul_to_bfloat16_rounding(ops, row
     lin.to(torch.bfloat16)
     x = torch.randn(rows, in_features + 32)[:, :in_features].bfloat16()  # strided rows
     with torch.inference_mode():
-        lin.pack_tiles(ops)
+        use_linear_method(lin, TileLinear(ops))
         got = lin(x)
     assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
     truth = x.double() @ lin.weight.double().t()  # the bfloat16 inputs, exactly
@@ -191,8 +197,7 @@ def test_the_mlp_takes_the_fused_tile_gate_up_where_tiles_run(ops, monkeypatch):
     for lin in (mlp.gate_up_proj, mlp.down_proj):
         torch.nn.init.normal_(lin.weight, std=0.2)
     mlp.to(torch.bfloat16)
-    mlp.gate_up_proj.pack_tiles(ops)
-    mlp.down_proj.pack_tiles(ops)
+    assert use_linear_method(mlp, TileLinear(ops)) == 2
     mlp.fused = ops
     calls: list[int] = []
     real = cpu_linear.tile_linear_silu_mul
@@ -204,6 +209,11 @@ def test_the_mlp_takes_the_fused_tile_gate_up_where_tiles_run(ops, monkeypatch):
     assert calls == [1] and torch.equal(got, want)
 
 
+def tiles_method(ops, onednn: bool) -> TileLinear:
+    """The tiles, with oneDNN's copy beside them for large steps where `onednn`."""
+    return TileOneDnnLinear(ops) if onednn else TileLinear(ops)
+
+
 def test_steps_of_more_than_tile_max_rows_go_to_onednn_where_it_is_there_and_the_rest_to_the_tiles(ops, monkeypatch):
     """With oneDNN's bfloat16 copy (where this CPU's oneDNN computes bfloat16) large steps take it;
     without, the tiles take every step."""
@@ -212,8 +222,8 @@ def test_steps_of_more_than_tile_max_rows_go_to_onednn_where_it_is_there_and_the
     lin = Linear(64, 96)
     torch.nn.init.normal_(lin.weight)
     lin.to(torch.bfloat16)
-    lin.pack_tiles(ops, onednn=onednn)
-    assert lin.tiles is not None and (lin.packed is not None) == onednn
+    use_linear_method(lin, tiles_method(ops, onednn))
+    assert set(lin.copies) == ({"tiles", "onednn"} if onednn else {"tiles"})
     calls: list[int] = []
     real = cpu_linear.tile_linear
     monkeypatch.setattr(cpu_linear, "tile_linear", lambda *a: calls.append(a[1].shape[0]) or real(*a))
@@ -234,8 +244,7 @@ def test_onednn_after_the_tiles_computes_what_it_computed_before(ops):
     lin = Linear(64, 96)
     torch.nn.init.normal_(lin.weight)
     lin.to(torch.bfloat16)
-    onednn = onednn_linear_available(torch.bfloat16)
-    lin.pack_tiles(ops, onednn=onednn)
+    use_linear_method(lin, tiles_method(ops, onednn_linear_available(torch.bfloat16)))
     big, small = torch.randn(4 * cpu_linear.TILE_MAX_ROWS, 64).bfloat16(), torch.randn(3, 64).bfloat16()
     with torch.inference_mode():
         first = lin(big)
@@ -257,12 +266,12 @@ def test_auto_takes_the_tiles_for_bfloat16_where_they_run_and_they_agree_with_th
     """With the tiles reported native (on a CPU without AMX or AVX512-BF16, the portable loop computes the same layout), `auto`
     packs every linear into tiles in bfloat16; decode steps go through the compiled layers on the
     tiles, and tokens and KV cache equal those of the PyTorch layers on the same tiles."""
-    monkeypatch.setattr(runner_module, "tiles_run", lambda ops: ops is not None)
+    monkeypatch.setattr(linear_module, "tiles_run", lambda ops: ops is not None)
     compiled, out = greedy(tiny, "bfloat16")
     assert compiled.runner.cpu_linear == "tiles" and compiled.runner.compiled_layers
     lins = [m for m in compiled.runner.model.modules() if isinstance(m, Linear)]
     onednn = onednn_linear_available(torch.bfloat16)  # kept for large prefills where it is there
-    assert all(m.tiles is not None and m.panels is None and (m.packed is not None) == onednn for m in lins)
+    assert all(set(m.copies) == ({"tiles", "onednn"} if onednn else {"tiles"}) for m in lins)
     eager = Engine(EngineConfig(model="tiny", num_kv_blocks=64, dtype="bfloat16"), loaded=tiny)
     eager.runner.model.use_compiled_layers(None)
     eager_out = greedy_tokens(eager, PROMPTS, 10)
@@ -272,7 +281,7 @@ def test_auto_takes_the_tiles_for_bfloat16_where_they_run_and_they_agree_with_th
 
 
 def test_auto_keeps_float32_off_the_tiles(tiny, monkeypatch):
-    monkeypatch.setattr(runner_module, "tiles_run", lambda ops: ops is not None)
+    monkeypatch.setattr(linear_module, "tiles_run", lambda ops: ops is not None)
     engine, out = greedy(tiny, "float32", steps=3)
     assert engine.runner.cpu_linear in ("pdserve", "onednn")
     assert all(len(v) == 3 for v in out.values())
@@ -280,7 +289,7 @@ def test_auto_keeps_float32_off_the_tiles(tiny, monkeypatch):
 
 @pytest.mark.parametrize("name", ["tiles", "amx"])
 def test_asking_for_the_tiles_where_they_cannot_run_falls_back_with_a_warning(tiny, monkeypatch, caplog, name):
-    monkeypatch.setattr(runner_module, "tiles_run", lambda ops: False)
+    monkeypatch.setattr(linear_module, "tiles_run", lambda ops: False)
     with caplog.at_level("WARNING"):
         engine, out = greedy(tiny, "bfloat16", steps=3, cpu_linear=name)
     assert engine.runner.cpu_linear == "pdserve"
@@ -293,7 +302,7 @@ def test_a_decode_batch_of_twenty_runs_the_compiled_layers_as_the_pytorch_layers
     more, where the MLP's projections also prefetch the next layer's KV for the decode rows
     (cpu_decoder_layer.cpp, on the VDPBF16PS tiles) and, above 8 rows, the next group's weight.
     Prefetches change no number: the compiled layers give the PyTorch layers' tokens and cache."""
-    monkeypatch.setattr(runner_module, "tiles_run", lambda ops: ops is not None)
+    monkeypatch.setattr(linear_module, "tiles_run", lambda ops: ops is not None)
     prompts = {f"s{i}": [5 + i, 11, 40 + 3 * i] + list(range(60, 60 + 2 * i)) for i in range(20)}
     engines = [Engine(EngineConfig(model="tiny", num_kv_blocks=128, dtype="bfloat16"), loaded=tiny) for _ in range(2)]
     assert all(e.runner.cpu_linear == "tiles" for e in engines) and engines[0].runner.compiled_layers

@@ -19,6 +19,13 @@ from pdserve.kernels.huge_pages import (
     huge_page_share,
     zeros_on_huge_pages,
 )
+from pdserve.kernels.linear import (
+    HUGE_PAGE_SHARE,
+    Linear,
+    PanelLinear,
+    TileLinear,
+    use_linear_method,
+)
 
 
 def smaps_field(address: int, field: str) -> list[str] | None:
@@ -129,24 +136,23 @@ def test_huge_page_share_is_the_mappings_huge_pages_over_its_size():
 
 
 @linux
-@pytest.mark.parametrize("layout, attr, dtype", [("tiles", "tiles", "bfloat16"), ("panels", "panels", "float32")])
-def test_packed_weights_of_the_compiled_matmuls_share_one_huge_page_mapping(tiny, ops, layout, attr, dtype):
+@pytest.mark.parametrize("name, dtype", [("tiles", "bfloat16"), ("panels", "float32")])
+def test_packed_weights_of_the_compiled_matmuls_share_one_huge_page_mapping(tiny, ops, name, dtype):
     from pdserve.config.engine import EngineConfig
     from pdserve.engine.engine import Engine
-    from pdserve.model.llama import Linear
 
+    method = {"tiles": TileLinear, "panels": PanelLinear}[name](ops)
     model = Engine(EngineConfig(model="tiny", num_kv_blocks=16, dtype=dtype), loaded=tiny).runner.model
     weights = {id(m): m.weight.detach().clone() for m in model.modules() if isinstance(m, Linear)}
-    model.pack_cpu_linears(layout, ops)
+    use_linear_method(model, method)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    packed = [getattr(m, attr) for m in linears]
+    assert method.streamed == name
+    packed = [m.copies[name] for m in linears]  # the copies a decode step streams whole
     span = sum(p.numel() * p.element_size() + 4096 for p in packed)
     first = min(p.data_ptr() for p in packed)
     assert all(0 <= p.data_ptr() - first < span for p in packed)
     assert ("hg" in (vm_flags(first) or [])) == (thp_policy() is not None)
-    if layout == "tiles":  # the tile kernels are told whether the stream can be left to the hardware
-        from pdserve.model.llama import HUGE_PAGE_SHARE
-
+    if name == "tiles":  # the tile kernels are told whether the stream can be left to the hardware
         assert ops.tile_weights_on_huge_pages() == (huge_page_share(packed[0]) >= HUGE_PAGE_SHARE)
     x = {m.weight.shape[1]: torch.randn(3, m.weight.shape[1]).to(m.weight.dtype) for m in linears}
     for m in linears:  # the moved copies still compute each projection
