@@ -515,7 +515,7 @@ def test_a_bfloat16_compiled_decoder_layer_matches_the_pytorch_layers(tiny, monk
     them, oneDNN where oneDNN computes bfloat16, our panels elsewhere): the same tokens and KV
     cache as the PyTorch layers, op for op."""
     from pdserve.kernels.cpu_linear import tiles_run
-    from pdserve.model.llama import onednn_linear_available
+    from pdserve.kernels.linear import onednn_linear_available
 
     engines, outs = lockstep_compiled_and_pytorch_layers(tiny, "bfloat16", max_tokens=6)
     if tiles_run(engines[0].runner.compiled_ops):

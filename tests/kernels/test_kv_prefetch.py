@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-import pdserve.engine.runner as runner_module
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.kernels import linear as linear_module
 from tests.helpers.engine_runs import greedy_tokens
 
 
@@ -20,7 +20,7 @@ def test_the_op_takes_kv_prefetch_on_by_default(ops):
 def test_a_decode_batch_gives_the_same_tokens_and_cache_with_the_kv_prefetch_off(tiny, monkeypatch):
     """20 sequences decoding together: steps of 16 rows or more, where the MLP prefetches the next
     layer's KV on the VDPBF16PS tiles (elsewhere the switch changes nothing, and still must not)."""
-    monkeypatch.setattr(runner_module, "tiles_run", lambda ops: ops is not None)
+    monkeypatch.setattr(linear_module, "tiles_run", lambda ops: ops is not None)
     prompts = {f"s{i}": [5 + i, 11, 40 + 3 * i] + list(range(60, 60 + 2 * i)) for i in range(20)}
     engines = [Engine(EngineConfig(model="tiny", num_kv_blocks=128, dtype="bfloat16"), loaded=tiny) for _ in range(2)]
     compiled = [e.runner.model.compiled_layers for e in engines]
