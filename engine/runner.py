@@ -53,7 +53,9 @@ class ModelRunner:
         self.model = LlamaForCausalLM(model_config, self.backend, max_positions=max_model_len)
         self.model.load_weights(state_dict)
         self.model.to(device=self.device, dtype=self.dtype).eval()
-        self.model.model.rotary.to(dtype=torch.float32)  # keep rotary tables in float32
+        for rotary in (self.model.model.rotary, self.model.model.rotary_local):  # tables stay float32
+            if rotary is not None:
+                rotary.to(dtype=torch.float32)
         # torch.ops.pdserve_cpu where the compiled CPU backend runs and this dtype is one it computes.
         self.compiled_ops = (
             self.backend.ops if isinstance(self.backend, CpuBackend) and self.dtype in COMPILED_DTYPES else None

@@ -54,12 +54,14 @@ def onednn_linear_available(dtype: torch.dtype) -> bool:
 
 
 def act_mul(gate_up: torch.Tensor, act: str, elementwise: object | None = None) -> torch.Tensor:
-    """act(gate) * up of [..., 2I] (the gate's I columns first) -> [..., I]: SiLU through
-    `elementwise.silu_mul` where given (the compiled CPU ops, Triton's), else eager PyTorch."""
+    """act(gate) * up of [..., 2I] (the gate's I columns first) -> [..., I]: through
+    `elementwise.silu_mul` / `gelu_tanh_mul` where given and it has one (the compiled CPU ops have
+    both, Triton's SiLU), else eager PyTorch."""
     if act not in ACTIVATIONS:
         raise ValueError(f"activation {act!r}: expected one of {', '.join(ACTIVATIONS)}")
-    if act == "silu" and elementwise is not None:
-        return elementwise.silu_mul(gate_up)  # type: ignore[attr-defined]
+    op = getattr(elementwise, f"{act}_mul", None) if elementwise is not None else None
+    if op is not None:
+        return op(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return ACTIVATIONS[act](gate) * up
 

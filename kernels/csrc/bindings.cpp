@@ -17,6 +17,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
   // Elementwise (cpu_elementwise.cpp).
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor y, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
@@ -35,12 +36,15 @@ TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("set_tile_weights_on_huge_pages(bool on) -> ()", &pdserve_cpu::set_tile_weights_on_huge_pages);
 
   // Every decoder layer of a step (cpu_decoder_layer.cpp). kv_prefetch defaults to on, as the
-  // engine's --kv-prefetch does.
+  // engine's --kv-prefetch does. The arguments after it (sliding windows, which layers read the
+  // local rotary tables, 0 SiLU or 1 GELU-tanh, those tables) and five more weights a layer (qkv
+  // bias, q/k norms, sandwich norms) are the other families' options: a Llama leaves them out.
   m.def("decoder_layers_(Tensor(a!) x, Tensor[] weights, Tensor[] large_weights, int large_above, "
         "Tensor final_norm, Tensor positions, Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping, "
         "int num_decode, Tensor decode_seq_lens, Tensor decode_block_tables, Tensor prefill_cu_seqlens_q, "
         "Tensor prefill_seq_lens, Tensor prefill_block_tables, int num_heads, int num_kv_heads, int head_dim, "
-        "int intermediate_size, float eps, float scale, bool kv_prefetch=True) -> Tensor");
+        "int intermediate_size, float eps, float scale, bool kv_prefetch=True, int[] windows=[], "
+        "int[] local_rope=[], int activation=0, Tensor? local_cos=None, Tensor? local_sin=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
@@ -49,6 +53,8 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("prefill_attention", &pdserve_cpu::prefill_attention);
   m.impl("rms_norm", &pdserve_cpu::rms_norm);
   m.impl("silu_mul", &pdserve_cpu::silu_mul);
+  // The C++ function also takes paired tiles' column order (ops.h); the op has the plain one.
+  m.impl("gelu_tanh_mul", [](const at::Tensor& gate_up) { return pdserve_cpu::gelu_tanh_mul(gate_up); });
   m.impl("argmax_rows", &pdserve_cpu::argmax_rows);
   m.impl("add_rms_norm_", &pdserve_cpu::add_rms_norm_);
   m.impl("rotary_", &pdserve_cpu::rotary_);

@@ -6,6 +6,19 @@
 //   x += attention(q, paged cache; each new prompt causal over its prefix) Wo^T
 //   h = rms_norm(x); x += (silu(gate) * up)(h Wgate_up^T) Wdown^T
 //
+// That is a Llama. The other families (model/families.py) add, per layer, where the caller passes
+// them (five more weights a layer, `windows`, `local_rope`, `activation`: decoder_layers_ below):
+//   - a bias added to h Wqkv^T (Qwen2), whichever packing runs the projection;
+//   - q and k each through an RMSNorm over every head's D values before the rotary (Qwen3, Gemma 3);
+//   - a sliding window: each query attends its last `window` positions (Gemma 3's local layers),
+//     which decode, prefill and a prompt's cached prefix read from the window's first block on;
+//   - the local rotary tables instead of the global ones (Gemma 3's local layers, own base);
+//   - sandwich norms (Gemma 3): x += post_norm(attention); h = pre_ffn_norm(x);
+//     x += post_ffn_norm(mlp(h)), where a Llama's post norm is the MLP's input norm;
+//   - GeGLU, gelu_tanh(gate) * up, instead of SiLU's (Gemma 3): the plain gate/up projection, then
+//     the elementwise op (the fused gate/up kernels apply SiLU only).
+// A Llama passes none of them and takes the branches of none: its step is the same work.
+//
 // A step through the Python layers spends much of a small step on their ~12 calls a layer
 // (modules, dispatch, views, checks, temporaries: python -m pdserve.bench.engine_overhead, decode
 // batch 1 and prefill 64, against --no-fused-ops; docs/cpu_kernels.md "Elementwise ops and the
@@ -21,7 +34,9 @@
 
 #include <algorithm>
 #include <array>
+#include <optional>
 #include <string>
+#include <utility>
 #include <unistd.h>
 #include <vector>
 
@@ -42,36 +57,47 @@ struct StepShape {
   const at::Tensor& prefill_block_tables;
 };
 
-// A sequence's first `length` cached positions as a dense [length, Hkv, D] (kernels/reference.py
-// gather_kv).
-at::Tensor gather(const at::Tensor& cache, const at::Tensor& table_row, int64_t length) {
-  const int64_t block = cache.size(1), blocks = (length + block - 1) / block;
-  const at::Tensor rows = cache.index_select(0, table_row.narrow(0, 0, blocks).to(at::kLong));
-  return rows.reshape({-1, cache.size(2), cache.size(3)}).narrow(0, 0, length);
+// A sequence's cached positions first .. length-1 as a dense [length - first, Hkv, D], reading the
+// blocks from first's on only (kernels/reference.py gather_kv(start=first)):
+//
+//   table_row:  | b0 | b1 | b2 | b3 |        block = 4, first = 6, length = 15
+//   positions:   0..3 4..7 8..11 12..15
+//   read:             [b1 ......... b3]     rows 4..15, then narrowed to 6..14
+at::Tensor gather(const at::Tensor& cache, const at::Tensor& table_row, int64_t first, int64_t length) {
+  const int64_t block = cache.size(1), first_block = first / block, blocks = (length + block - 1) / block;
+  const at::Tensor rows = cache.index_select(0, table_row.narrow(0, first_block, blocks - first_block).to(at::kLong));
+  return rows.reshape({-1, cache.size(2), cache.size(3)}).narrow(0, first - first_block * block, length - first);
 }
 
+// `window` > 0: each query attends its last `window` positions only. A prompt's cached prefix is
+// then read from the first key its first row sees (the reference backend's rule): blocks before
+// it may have been freed and hold another sequence's keys.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
-                     const at::Tensor& v_cache, const StepShape& step, double scale, const BackgroundPrefetch& spare) {
+                     const at::Tensor& v_cache, const StepShape& step, double scale, int64_t window,
+                     const BackgroundPrefetch& spare) {
   const int64_t tokens = q.size(0), nd = step.num_decode;
   if (nd == tokens)
-    return decode_attention_then(q, k_cache, v_cache, step.decode_seq_lens, step.decode_block_tables, scale, 0, spare);
+    return decode_attention_then(q, k_cache, v_cache, step.decode_seq_lens, step.decode_block_tables, scale, window,
+                                 spare);
   const size_t prompts = step.lens.size();
-  if (nd == 0 && prompts == 1 && step.lens[0] == tokens) return prefill_attention(q, k, v, 0, scale, 0);
+  if (nd == 0 && prompts == 1 && step.lens[0] == tokens) return prefill_attention(q, k, v, 0, scale, window);
   at::Tensor out = at::empty_like(q);
   if (nd > 0)
     out.narrow(0, 0, nd).copy_(decode_attention(q.narrow(0, 0, nd), k_cache, v_cache, step.decode_seq_lens,
-                                                step.decode_block_tables, scale, 0));
+                                                step.decode_block_tables, scale, window));
   for (size_t b = 0; b < prompts; ++b) {
     const int64_t start = nd + step.cu[b], rows = step.cu[b + 1] - step.cu[b], prefix = step.lens[b] - rows;
     if (rows == 0) continue;
     const at::Tensor qs = q.narrow(0, start, rows);
     at::Tensor o;
     if (prefix == 0) {
-      o = prefill_attention(qs, k.narrow(0, start, rows), v.narrow(0, start, rows), 0, scale, 0);
+      o = prefill_attention(qs, k.narrow(0, start, rows), v.narrow(0, start, rows), 0, scale, window);
     } else {
       const at::Tensor table = step.prefill_block_tables.select(0, static_cast<int64_t>(b));
-      o = prefill_attention(qs, gather(k_cache, table, step.lens[b]), gather(v_cache, table, step.lens[b]), prefix,
-                            scale, 0);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, prefix - window + 1) : 0;
+      const int64_t length = step.lens[b];
+      o = prefill_attention(qs, gather(k_cache, table, first, length), gather(v_cache, table, first, length),
+                            prefix - first, scale, window);
     }
     out.narrow(0, start, rows).copy_(o);
   }
@@ -135,17 +161,47 @@ int64_t warm_bytes(int64_t rows) {
 // Per projection of a layer (qkv, o, gate/up, down): where its threads' streams start.
 using LayerStreamStarts = std::array<StreamStarts, 4>;
 
+// The weights of a layer in decoder_layers_'s list: a Llama's six, or those and five more.
+constexpr int64_t kLlamaWeights = 6, kFamilyWeights = kLlamaWeights + 5;
+
+// What a layer adds to a Llama's (an undefined tensor or 0: nothing), from decoder_layers_'s extra
+// weights, windows and local_rope.
+struct LayerOptions {
+  at::Tensor qkv_bias;       // [q + 2 kv], added to the qkv projection
+  at::Tensor q_norm;         // [D] each, with k_norm: RMSNorm of every head
+  at::Tensor k_norm;
+  at::Tensor pre_ffn_norm;   // [H] each, with post_ffn_norm: sandwich norms
+  at::Tensor post_ffn_norm;
+  int64_t window = 0;        // > 0: a sliding window of that many positions
+  const at::Tensor* cos = nullptr;  // the rotary tables the layer reads
+  const at::Tensor* sin = nullptr;
+};
+
+// The MLP's activation, decoder_layers_'s `activation`.
+enum class Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
+
+// The gate/up projection's activation: SiLU fused into the projection where its packing allows it
+// (project_silu_mul), GELU-tanh after a plain projection, through paired tiles' column order where
+// the weight is such tiles (tile_fuses_silu_mul: the tiles model/llama.py pairs).
+at::Tensor gate_up_act(const at::Tensor& h, const at::Tensor& weight, int64_t intermediate, Activation act,
+                       const PrefetchRange& background) {
+  if (act == Activation::kSilu) return project_silu_mul(h, weight, intermediate, background);
+  const int64_t pair_group = tile_fuses_silu_mul(weight, intermediate) ? 2 * intermediate / weight.size(0) : 0;
+  return gelu_tanh_mul(project(h, weight, 2 * intermediate, background), pair_group);
+}
+
 // One layer from h, its input already normalised: x += attention, then x += MLP, in place. The
 // residual adds go with the norms after them (add_rms_norm_: one pass, the same numbers as
-// `x += y` then rms_norm): the post-attention norm, then `after` (the next layer's input norm or
-// the final one), whose output it returns. `proj` holds the layer's four projections in the
-// packing this step's row count takes; `next_kv`, possibly empty, is the next layer's KV that the
+// `x += y` then rms_norm): the post-attention norm (with sandwich norms, the pre-feedforward one),
+// then `after` (the next layer's input norm or the final one), whose output it returns. `opt`:
+// what the layer adds to a Llama's, `act` the MLP's activation. `proj` holds the layer's four
+// projections in the packing this step's row count takes; `next_kv`, possibly empty, is the next layer's KV that the
 // MLP's projections prefetch in their background (kv_prefetch_budget); `next_qkv`, null after the
 // last layer, the next layer's qkv weight, whose streams' starts (`starts`) the down projection
 // prefetches as each projection does the next one's.
 at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tensor& post_norm, const at::Tensor* proj,
-                             const at::Tensor& after, const at::Tensor& positions, const at::Tensor& cos,
-                             const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                             const at::Tensor& after, const at::Tensor& positions, const LayerOptions& opt,
+                             Activation act, at::Tensor k_cache, at::Tensor v_cache,
                              const at::Tensor& slot_mapping, const StepShape& step, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
                              double scale, const BackgroundPrefetch& next_kv, const LayerStreamStarts& starts,
@@ -156,19 +212,27 @@ at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tenso
   const BackgroundPrefetch w_o = starts[1].of(proj[1]), w_gu = starts[2].of(proj[2]);
   const BackgroundPrefetch w_down = starts[3].of(proj[3]);
   const BackgroundPrefetch w_next = next_qkv != nullptr ? starts[0].of(*next_qkv) : BackgroundPrefetch{};
-  const at::Tensor qkv_out = project(h, proj[0], q_size + 2 * kv_size, PrefetchRange::all(w_o));
-  const at::Tensor q = qkv_out.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
-  const at::Tensor k = qkv_out.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
+  at::Tensor qkv_out = project(h, proj[0], q_size + 2 * kv_size, PrefetchRange::all(w_o));
+  if (opt.qkv_bias.defined()) qkv_out.add_(opt.qkv_bias);
+  at::Tensor q = qkv_out.narrow(1, 0, q_size), k = qkv_out.narrow(1, q_size, kv_size);
+  if (opt.q_norm.defined()) {  // over [T * heads, D] rows: copies, as the PyTorch layer's
+    q = rms_norm(q.reshape({-1, head_dim}), opt.q_norm, eps);
+    k = rms_norm(k.reshape({-1, head_dim}), opt.k_norm, eps);
+  }
+  q = q.view({tokens, num_heads, head_dim});
+  k = k.view({tokens, num_kv_heads, head_dim});
   const at::Tensor v = qkv_out.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
-  rotary_(q, k, positions, cos, sin);
+  rotary_(q, k, positions, *opt.cos, *opt.sin);
   store_kv_(k, v, k_cache, v_cache, slot_mapping);
   // At batch 1 the second thread has no sequence to attend: it pulls in the weights that follow,
   // which the output projection then reads from cache (engine_overhead, decode batch 1;
   // docs/cpu_kernels.md "Decode attention", "Work items").
   const BackgroundPrefetch spare = weights_after(proj[1], proj[2]);
-  const at::Tensor attn = attention(q, k, v, k_cache, v_cache, step, scale, spare);
-  const at::Tensor h2 = add_rms_norm_(x, project(attn.reshape({tokens, q_size}), proj[1], hidden,
-                                                 PrefetchRange::all(w_gu)), post_norm, eps);
+  const at::Tensor attn = attention(q, k, v, k_cache, v_cache, step, scale, opt.window, spare);
+  const at::Tensor o = project(attn.reshape({tokens, q_size}), proj[1], hidden, PrefetchRange::all(w_gu));
+  const at::Tensor h2 = !opt.pre_ffn_norm.defined()
+                            ? add_rms_norm_(x, o, post_norm, eps)
+                            : add_rms_norm_(x, rms_norm(o, post_norm, eps), opt.pre_ffn_norm, eps);
   // The next layer's KV (if any) trickles into the caches under the MLP, split by FLOPs: two thirds
   // under the gate/up projection, the rest under the down projection. Without it, the starts of
   // the down projection's streams, then of the next layer's qkv.
@@ -177,15 +241,17 @@ at::Tensor layer_from_normed(at::Tensor& x, const at::Tensor& h, const at::Tenso
       lines > 0 ? PrefetchRange{&next_kv, 0, split} : PrefetchRange::all(w_down);
   const PrefetchRange under_down =
       lines > 0 ? PrefetchRange{&next_kv, split, lines} : PrefetchRange::all(w_next);
-  const at::Tensor act = project_silu_mul(h2, proj[2], intermediate_size, under_gate_up);
-  const at::Tensor mlp = project(act, proj[3], hidden, under_down);
+  const at::Tensor gated = gate_up_act(h2, proj[2], intermediate_size, act, under_gate_up);
+  at::Tensor mlp = project(gated, proj[3], hidden, under_down);
+  if (opt.post_ffn_norm.defined()) mlp = rms_norm(mlp, opt.post_ffn_norm, eps);
   return add_rms_norm_(x, mlp, after, eps);
 }
 
-// The KV a step's decode rows read, as byte offsets from a layer's K cache, each block's keys then
-// its values (the same offsets in every layer: `layer` only moves the base): block j of every
-// sequence before block j + 1 of any (so a budget cut leaves each sequence its first blocks), up
-// to `budget` bytes.
+// The KV a step's decode rows read in layers of sliding window `window` (0: none), as byte offsets
+// from a layer's K cache, each block's keys then its values (the same offsets in every such layer:
+// `layer` only moves the base): block j of every sequence's window before block j + 1 of any (so a
+// budget cut leaves each sequence its first blocks), up to `budget` bytes. Blocks before a
+// window's first (kernels/reference.py window_first_block) are not read: they may be freed.
 struct DecodeKvBlocks {
   std::vector<int64_t> offsets;
   int64_t block_lines = 0;
@@ -193,7 +259,7 @@ struct DecodeKvBlocks {
   int64_t layer_bytes = 0;
 
   // kv_cache [L, 2, blocks, S, Hkv, D], as decoder_layers_ takes it.
-  DecodeKvBlocks(const StepShape& step, const at::Tensor& kv_cache, int64_t budget) {
+  DecodeKvBlocks(const StepShape& step, const at::Tensor& kv_cache, int64_t budget, int64_t window) {
     const at::Tensor& tables = step.decode_block_tables;
     // decode_attention checks the metadata after this; a table it would refuse prefetches nothing.
     if (step.num_decode == 0 || budget <= 0 || tables.dim() != 2 || tables.scalar_type() != at::kInt ||
@@ -207,17 +273,16 @@ struct DecodeKvBlocks {
     const at::Tensor lens = step.decode_seq_lens.to(at::kInt).contiguous();
     const int32_t* lp = lens.data_ptr<int32_t>();
     const int32_t* tp = tables.data_ptr<int32_t>();
-    // The blocks a sequence reads, within its table row.
-    const auto blocks = [&](int64_t b) {
-      return std::clamp<int64_t>((lp[b] + block - 1) / block, 0, tables.size(1));
-    };
+    // The blocks a sequence reads, first .. end - 1 within its table row.
+    const auto end = [&](int64_t b) { return std::clamp<int64_t>((lp[b] + block - 1) / block, 0, tables.size(1)); };
+    const auto first = [&](int64_t b) { return window > 0 && lp[b] > window ? (lp[b] - window) / block : 0; };
     int64_t most = 0;
-    for (int64_t b = 0; b < step.num_decode; ++b) most = std::max(most, blocks(b));
+    for (int64_t b = 0; b < step.num_decode; ++b) most = std::max(most, end(b) - first(b));
     for (int64_t j = 0; j < most; ++j) {
       for (int64_t b = 0; b < step.num_decode; ++b) {
-        if (j >= blocks(b)) continue;
+        if (first(b) + j >= end(b)) continue;
         if (static_cast<int64_t>(offsets.size() + 2) * block_bytes > budget) return;
-        const int64_t at = tp[b * tables.stride(0) + j] * block_bytes;
+        const int64_t at = tp[b * tables.stride(0) + first(b) + j] * block_bytes;
         offsets.push_back(at);
         offsets.push_back(values_at + at);
       }
@@ -252,16 +317,76 @@ std::vector<int64_t> as_longs(const at::Tensor& t) {
   return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
 }
 
+// Every layer's LayerOptions from decoder_layers_'s weights (`per_layer` of them a layer: the
+// five extras follow a Llama's six where there are eleven), windows and local_rope, checked (the
+// norms' shapes and dtypes by rms_norm). The tables the options point at outlive them.
+std::vector<LayerOptions> layer_options(at::TensorList weights, int64_t per_layer, at::IntArrayRef windows,
+                                        at::IntArrayRef local_rope, const at::Tensor& cos, const at::Tensor& sin,
+                                        const std::optional<at::Tensor>& local_cos,
+                                        const std::optional<at::Tensor>& local_sin, int64_t layers,
+                                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                        const at::Tensor& x) {
+  TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == layers, "windows: none, or one for each of ",
+              layers, " layers, got ", windows.size());
+  TORCH_CHECK(local_rope.empty() || static_cast<int64_t>(local_rope.size()) == layers,
+              "local_rope: none, or one for each of ", layers, " layers, got ", local_rope.size());
+  std::vector<LayerOptions> options(static_cast<size_t>(layers));
+  for (int64_t l = 0; l < layers; ++l) {
+    LayerOptions& o = options[static_cast<size_t>(l)];
+    o.cos = &cos;
+    o.sin = &sin;
+    if (!local_rope.empty() && local_rope[l] != 0) {
+      TORCH_CHECK(local_cos.has_value() && local_sin.has_value(), "layer ", l,
+                  " reads the local rotary tables: pass local_cos and local_sin");
+      o.cos = &*local_cos;
+      o.sin = &*local_sin;
+    }
+    if (!windows.empty()) {
+      TORCH_CHECK(windows[l] >= 0, "layer ", l, ": a window is 0 (none) or a positive number of positions, got ",
+                  windows[l]);
+      o.window = windows[l];
+    }
+    if (per_layer == kLlamaWeights) continue;
+    // An empty tensor stands for a weight the layer does not have.
+    const auto extra = [&](int64_t i) {
+      const at::Tensor& t = weights[per_layer * l + kLlamaWeights + i];
+      return t.numel() > 0 ? t : at::Tensor();
+    };
+    o.qkv_bias = extra(0);
+    o.q_norm = extra(1);
+    o.k_norm = extra(2);
+    o.pre_ffn_norm = extra(3);
+    o.post_ffn_norm = extra(4);
+    TORCH_CHECK(o.q_norm.defined() == o.k_norm.defined(), "layer ", l, ": a q norm and a k norm, or neither");
+    TORCH_CHECK(o.pre_ffn_norm.defined() == o.post_ffn_norm.defined(), "layer ", l,
+                ": a pre- and a post-feedforward norm, or neither");
+    const int64_t qkv = (num_heads + 2 * num_kv_heads) * head_dim;
+    TORCH_CHECK(!o.qkv_bias.defined() || (o.qkv_bias.dim() == 1 && o.qkv_bias.size(0) == qkv &&
+                                          o.qkv_bias.scalar_type() == x.scalar_type()),
+                "layer ", l, ": the qkv bias must be [", qkv, "] of x's dtype");
+  }
+  return options;
+}
+
 }  // namespace
 
 // Every layer of a step, and the final norm, in one call: weights six per layer in its order (input
-// norm, post norm, qkv, o, gate_up, down), large_weights empty or four per layer (qkv, o, gate_up,
-// down: the packing for steps of more than large_above rows), kv_cache the engine's [L, 2, blocks,
-// S, Hkv, D], and the step's attention metadata as model/llama.py's AttentionMetadata holds it
-// (int32 lengths, tables and offsets). Returns the final hidden states, normalised; x, the residual
-// stream, is updated in place. One call from Python instead of one per layer, whose calls and
-// argument handling show in a small decode step (engine_overhead, decode batch 1). `kv_prefetch`
-// false keeps the MLP from prefetching the next layer's KV (kv_prefetch_budget).
+// norm, post norm, qkv, o, gate_up, down) or eleven (those, then the other families' five below),
+// large_weights empty or four per layer (qkv, o, gate_up, down: the packing for steps of more than
+// large_above rows), kv_cache the engine's [L, 2, blocks, S, Hkv, D], and the step's attention
+// metadata as model/llama.py's AttentionMetadata holds it (int32 lengths, tables and offsets).
+// Returns the final hidden states, normalised; x, the residual stream, is updated in place. One
+// call from Python instead of one per layer, whose calls and argument handling show in a small
+// decode step (engine_overhead, decode batch 1). `kv_prefetch` false keeps the MLP from
+// prefetching the next layer's KV (kv_prefetch_budget).
+//
+// The other families' options (a Llama passes none; the file's header says what each does):
+//   weights 7-11 of a layer   qkv bias [q + 2 kv], q norm [D], k norm [D] (both or neither),
+//                             pre-feedforward norm [H], post-feedforward norm [H] (both or
+//                             neither: sandwich norms); an empty tensor where the layer has none
+//   windows      empty, or one per layer: its sliding window (0: none)
+//   local_rope   empty, or one per layer: 1 where it reads local_cos / local_sin, not cos / sin
+//   activation   0: SiLU (SwiGLU), 1: GELU-tanh (GeGLU)
 at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, at::TensorList large_weights, int64_t large_above,
                            const at::Tensor& final_norm, const at::Tensor& positions, const at::Tensor& cos,
                            const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping,
@@ -269,16 +394,24 @@ at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, at::TensorList 
                            const at::Tensor& decode_block_tables, const at::Tensor& prefill_cu_seqlens_q,
                            const at::Tensor& prefill_seq_lens, const at::Tensor& prefill_block_tables,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
-                           double eps, double scale, bool kv_prefetch) {
-  constexpr int64_t kPerLayer = 6, kProjections = 4;
+                           double eps, double scale, bool kv_prefetch, at::IntArrayRef windows,
+                           at::IntArrayRef local_rope, int64_t activation, const std::optional<at::Tensor>& local_cos,
+                           const std::optional<at::Tensor>& local_sin) {
+  constexpr int64_t kProjections = 4;
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2, "kv_cache must be [L, 2, blocks, S, Hkv, D], got ",
               kv_cache.sizes());
-  const int64_t layers = kv_cache.size(0);
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * layers, "expected ", kPerLayer,
-              " weights for each of ", layers, " layers, got ", weights.size());
+  const int64_t layers = kv_cache.size(0), n = static_cast<int64_t>(weights.size());
+  TORCH_CHECK(n == kLlamaWeights * layers || (layers > 0 && n == kFamilyWeights * layers), "expected ",
+              kLlamaWeights, " (or ", kFamilyWeights, ") weights for each of ", layers, " layers, got ", n);
+  const int64_t per_layer = layers > 0 && n == kFamilyWeights * layers ? kFamilyWeights : kLlamaWeights;
   TORCH_CHECK(large_weights.empty() || static_cast<int64_t>(large_weights.size()) == kProjections * layers,
               "large_weights: none, or ", kProjections, " for each of ", layers, " layers, got ", large_weights.size());
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, H]");
+  const std::vector<LayerOptions> options = layer_options(weights, per_layer, windows, local_rope, cos, sin,
+                                                          local_cos, local_sin, layers, num_heads, num_kv_heads,
+                                                          head_dim, x);
+  TORCH_CHECK(activation == 0 || activation == 1, "activation must be 0 (SiLU) or 1 (GELU-tanh), got ", activation);
+  const Activation act = static_cast<Activation>(activation);
   const int64_t tokens = x.size(0);
   TORCH_CHECK(num_decode >= 0 && num_decode <= tokens && decode_seq_lens.dim() == 1 &&
                   decode_seq_lens.size(0) == num_decode,
@@ -301,27 +434,38 @@ at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, at::TensorList 
   at::Tensor h = rms_norm(x, layers > 0 ? weights[0] : final_norm, eps);
   const int64_t budget =
       layers > 1 ? kv_prefetch_budget(large ? large_weights[2] : weights[4], tokens, kv_prefetch) : 0;
-  const DecodeKvBlocks decode_kv(step, kv_cache, budget);
+  // The decode rows' KV blocks, per distinct window among the layers (a Llama's: one, window 0).
+  std::vector<std::pair<int64_t, DecodeKvBlocks>> decode_kv;
+  decode_kv.reserve(static_cast<size_t>(std::max<int64_t>(layers, 1)));  // never moved: next_kv points into it
+  const auto next_kv_of = [&](int64_t l) -> BackgroundPrefetch {
+    if (l >= layers) return {};
+    const int64_t window = options[l].window;
+    for (const auto& [w, blocks] : decode_kv)
+      if (w == window) return blocks.layer(l);
+    decode_kv.emplace_back(window, DecodeKvBlocks(step, kv_cache, budget, window));
+    return decode_kv.back().second.layer(l);
+  };
   // Layer l's four projections, in the packing this step's row count takes.
   const auto proj_of = [&](int64_t l) {
-    return large ? large_weights.data() + kProjections * l : weights.data() + kPerLayer * l + 2;
+    return large ? large_weights.data() + kProjections * l : weights.data() + per_layer * l + 2;
   };
   LayerStreamStarts starts;
   if (layers > 0) {
     const at::Tensor* first = proj_of(0);
     const int64_t warm = warm_bytes(tokens);
-    const bool pairs = tile_fuses_silu_mul(first[2], intermediate_size);
+    // GeGLU runs the plain projection over paired tiles: one group a unit, as any other.
+    const bool pairs = act == Activation::kSilu && tile_fuses_silu_mul(first[2], intermediate_size);
     starts = {StreamStarts(first[0], false, warm), StreamStarts(first[1], false, warm),
               StreamStarts(first[2], pairs, warm), StreamStarts(first[3], false, warm)};
   }
   for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor* w = weights.data() + kPerLayer * l;
+    const at::Tensor* w = weights.data() + per_layer * l;
     const at::Tensor* proj = proj_of(l);
-    const at::Tensor& after = l + 1 < layers ? w[kPerLayer] : final_norm;  // the next layer's input norm
+    const at::Tensor& after = l + 1 < layers ? w[per_layer] : final_norm;  // the next layer's input norm
     const at::Tensor layer_cache = kv_cache.select(0, l);
-    const BackgroundPrefetch next_kv = l + 1 < layers ? decode_kv.layer(l + 1) : BackgroundPrefetch{};
+    const BackgroundPrefetch next_kv = next_kv_of(l + 1);
     const at::Tensor* next_qkv = l + 1 < layers ? proj_of(l + 1) : nullptr;  // never past the last layer
-    h = layer_from_normed(x, h, w[1], proj, after, positions, cos, sin, layer_cache.select(0, 0),
+    h = layer_from_normed(x, h, w[1], proj, after, positions, options[l], act, layer_cache.select(0, 0),
                           layer_cache.select(0, 1), slot_mapping, step, num_heads, num_kv_heads, head_dim,
                           intermediate_size, eps, scale, next_kv, starts, next_qkv);
   }

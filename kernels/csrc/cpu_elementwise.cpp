@@ -1,7 +1,8 @@
-// The elementwise work around the projections, fused: RMSNorm, SiLU(gate) * up, and rotary
-// embedding applied in place. Each is one pass over its rows (parallel over rows) instead of the
-// 4-10 eager ops and temporaries of model/llama.py's PyTorch code, which stays their oracle.
-// float32 and bfloat16; everything is computed in float32 and rounded once on the way out.
+// The elementwise work around the projections, fused: RMSNorm, SiLU(gate) * up, GELU-tanh(gate) *
+// up (GeGLU), and rotary embedding applied in place. Each is one pass over its rows (parallel over
+// rows) instead of the 4-10 eager ops and temporaries of model/llama.py's PyTorch code, which
+// stays their oracle. float32 and bfloat16; everything is computed in float32 and rounded once on
+// the way out (GeGLU twice, as torch's two ops round it).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -10,8 +11,10 @@
 #include "ops.h"
 #include "vec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -81,6 +84,67 @@ void silu_mul_kernel(const at::Tensor& gate_up, at::Tensor& out) {
   T* op = out.data_ptr<T>();
   at::parallel_for(0, rows, row_grain(inter), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) silu_mul_row(gp + r * gs, gp + r * gs + inter, op + r * inter, inter);
+  });
+}
+
+// x rounded to T's precision and widened back: torch rounds each op's result to the tensor's dtype.
+template <typename T>
+inline vf round_to(vf x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    T tmp[kVf];
+    storef(tmp, x);
+    return loadf(tmp);
+  }
+}
+
+// o[i] = gelu_tanh(g[i]) * u[i] for i < n, as torch's F.gelu(g, approximate="tanh") * u computes
+// it: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) in float32 in torch's order of operations,
+// rounded to T (the gelu op's output), then the product, rounded again. tanh(|z|) = 1 - d with
+// d = 2e / (1 + e), e = exp(-2|z|) (never overflows), d accurate to float32 and rounded once in
+// 1 - d: tanh rounded to the float32 grid as torch's (Sleef's) is, which matters where z < 0 and
+// 1 + tanh(z) cancels to a few of that grid's steps (gelu of -3 to -5). The tail goes through one
+// zero-padded vector, as silu_mul_row's does.
+template <typename T>
+inline void gelu_tanh_mul_row(const T* g, const T* u, T* o, int64_t n) {
+  const auto gelu_mul = [](vf a, vf b) {
+    const vf inner = 0.7978845608028654f * (a + 0.044715f * (a * a * a));
+    const vf mag = inner < 0.f ? vf{} - inner : inner;
+    const vf e = exp_nonpositive(-2.f * mag);
+    const vf t = 1.f - 2.f * e * reciprocal(1.f + e);
+    const vf gelu = 0.5f * a * (1.f + (inner < 0.f ? vf{} - t : t));
+    return round_to<T>(gelu) * b;
+  };
+  int64_t i = 0;
+  for (; i + kVf <= n; i += kVf) storef(o + i, gelu_mul(loadf(g + i), loadf(u + i)));
+  if (i < n) {
+    T gt[kVf] = {}, ut[kVf] = {}, ot[kVf];
+    std::copy(g + i, g + n, gt);
+    std::copy(u + i, u + n, ut);
+    storef(ot, gelu_mul(loadf(gt), loadf(ut)));
+    std::copy(ot, ot + (n - i), o + i);
+  }
+}
+
+// `group` 0: each row is the gate's I columns, then the up's. `group` > 0: groups of that many
+// gate columns and up columns alternate (a gate/up projection through paired tiles,
+// cpu_linear.pack_gate_up_tiles), and the output is in the gate's order all the same.
+template <typename T>
+void gelu_tanh_mul_kernel(const at::Tensor& gate_up, int64_t group, at::Tensor& out) {
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, gs = gate_up.stride(0);
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, row_grain(inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = gp + r * gs;
+      if (group == 0) {
+        gelu_tanh_mul_row(row, row + inter, op + r * inter, inter);
+        continue;
+      }
+      for (int64_t c = 0; c < inter; c += group)
+        gelu_tanh_mul_row(row + 2 * c, row + 2 * c + group, op + r * inter + c, group);
+    }
   });
 }
 
@@ -179,6 +243,18 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
   if (gate_up.scalar_type() == at::kFloat) silu_mul_kernel<float>(gate_up, out);
   else silu_mul_kernel<c10::BFloat16>(gate_up, out);
+  return out;
+}
+
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up, int64_t pair_group) {
+  check_float(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [T, 2I] with contiguous rows");
+  TORCH_CHECK(pair_group >= 0 && (pair_group == 0 || (gate_up.size(1) / 2) % pair_group == 0),
+              "pair_group must be 0 or divide the intermediate size ", gate_up.size(1) / 2, ", got ", pair_group);
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) gelu_tanh_mul_kernel<float>(gate_up, pair_group, out);
+  else gelu_tanh_mul_kernel<c10::BFloat16>(gate_up, pair_group, out);
   return out;
 }
 

@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
+
 #include "prefetch.h"
 
 namespace pdserve_cpu {
@@ -29,6 +31,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // x += y in place, then rms_norm(x): the residual add and the next norm in one pass.
 at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& y, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+// gelu(gate, approximate="tanh") * up of [T, 2I] rows -> [T, I] (GeGLU), as torch computes it to
+// within float32 rounding. `pair_group` > 0: the gate's and the up's columns alternate in groups
+// of that many (a gate/up projection through paired tiles, cpu_linear.pack_gate_up_tiles).
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up, int64_t pair_group = 0);
 void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
 // [R, N] rows -> int64 [R]: max(dim=-1).indices, for greedy sampling.
 at::Tensor argmax_rows(const at::Tensor& x);
@@ -93,8 +99,8 @@ void set_tile_weights_on_huge_pages(bool on);
 constexpr int kTileHardwareStreamRows = 4;
 constexpr int64_t kTileOwnPrefetchBytes = int64_t{16} << 10;
 
-// cpu_decoder_layer.cpp: every layer of a step and the final norm in one call (the arguments are
-// described there).
+// cpu_decoder_layer.cpp: every layer of a step and the final norm in one call, a Llama's or, with
+// the options after kv_prefetch, any family's (the arguments are described there).
 at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, at::TensorList large_weights, int64_t large_above,
                            const at::Tensor& final_norm, const at::Tensor& positions, const at::Tensor& cos,
                            const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping,
@@ -102,6 +108,8 @@ at::Tensor decoder_layers_(at::Tensor x, at::TensorList weights, at::TensorList 
                            const at::Tensor& decode_block_tables, const at::Tensor& prefill_cu_seqlens_q,
                            const at::Tensor& prefill_seq_lens, const at::Tensor& prefill_block_tables,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
-                           double eps, double scale, bool kv_prefetch);
+                           double eps, double scale, bool kv_prefetch, at::IntArrayRef windows,
+                           at::IntArrayRef local_rope, int64_t activation, const std::optional<at::Tensor>& local_cos,
+                           const std::optional<at::Tensor>& local_sin);
 
 }  // namespace pdserve_cpu
