@@ -121,7 +121,7 @@ class ChatRenderer(Renderer):
     def _tool_chunk(self, d: ChoiceDelta, parser: ToolCallParser) -> bytes | None:
         parsed = parser.push(d.text)
         if d.finish_reason is not None:
-            parsed += parser.finish()
+            parsed += parser.finish(truncated=d.finish_reason == "length")
         calls = _call_deltas(parsed.calls)
         if not parsed.content and not calls and not d.logprobs and d.finish_reason is None:
             return None
@@ -146,7 +146,7 @@ class ChatRenderer(Renderer):
         self, i: int, parser: ToolCallParser
     ) -> tuple[ChatMessageOut | ChatToolCallsMessageOut, str | None]:
         parsed = parser.push("".join(self.texts[i]))
-        parsed += parser.finish()
+        parsed += parser.finish(truncated=self.finish[i] == "length")
         finish = _finish_reason(self.finish[i], parser)
         if not parser.num_calls:
             return ChatMessageOut(parsed.content), finish

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import llguidance as llg
 
 from pdserve.protocol.sampling import MAX_STRUCTURED_BYTES, StructuredOutput
+from pdserve.text.json_grammar import schema_grammar
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -197,15 +198,56 @@ def grammar_text(spec: StructuredOutput) -> str:
 
 
 def _grammar_of(spec: StructuredOutput, value: Any) -> str:
-    if spec.kind == "json_object":
-        return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
-    if spec.kind == "json_schema":
+    if spec.kind in ("json_object", "json_schema"):
+        # Numbers bounded to what a double holds (text/json_grammar.py); a schema the rewrite
+        # does not know compiles as it is.
+        schema = {"type": "object"} if spec.kind == "json_object" else value
+        lark = schema_grammar(schema)
+        if lark is not None:
+            return _guarded(llg.LLMatcher.grammar_from_lark, lark)
         return _guarded(lambda: llg.LLMatcher.grammar_from_json_schema(value, defaults=_JSON_OPTIONS))
     if spec.kind == "regex":
         return llg.LLMatcher.grammar_from_regex(spec.spec)
     if spec.kind == "choice":
         return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
     return _guarded(llg.grammar_from, "grammar", spec.spec)  # Lark, or GBNF converted to Lark
+
+
+def llg_tokenizer(tok: Any) -> llg.LLTokenizer:
+    """llguidance's view of a tokenizer: every token's bytes, the special ones, the EOS set.
+
+    llguidance reads a tokenizer.json's added tokens of the form `<...>` as special whatever
+    their flag, so Qwen's `<tool_call>` or `<think>` (added, not special: text the detokenizer
+    keeps) would be a token no grammar can write, yet the one its tokenization of the text
+    `<tool_call>` yields: the grammar of calls would allow only that token and then refuse it.
+    For such a vocabulary llguidance gets the token bytes itself, with our special flags."""
+    eos = list(tok.stop_token_ids) or [tok.eos_token_id]
+    base = llg.LLTokenizer(tok.backend.to_str(), n_vocab=tok.vocab_size, eos_token=eos)
+    added = tok.backend.get_added_tokens_decoder()
+    misread = [i for i, t in added.items() if not t.special and base.is_special_token(i)]
+    if not misread:
+        return base
+    vocabulary = _Vocabulary(tok, [
+        added[i].content.encode() if i in added else base.decode_bytes([i]) for i in range(tok.vocab_size)
+    ], [i for i, t in added.items() if t.special])
+    return llg.LLTokenizer(llg.TokenizerWrapper(vocabulary), n_vocab=tok.vocab_size, eos_token=eos)
+
+
+class _Vocabulary:
+    """A tokenizer as llguidance's TokenizerWrapper reads it: each token's bytes, the special
+    ids, and encoding (of text only: the wrapper probes with bytes and falls back to text)."""
+
+    def __init__(self, tok: Any, tokens: list[bytes], special_token_ids: list[int]) -> None:
+        self._tok = tok
+        self.eos_token_id = tok.eos_token_id
+        self.bos_token_id = tok.bos_token_id
+        self.tokens = tokens
+        self.special_token_ids = special_token_ids
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError("encodes text, not bytes")
+        return self._tok.encode(text)
 
 
 class GrammarMatcher:
@@ -261,10 +303,8 @@ class GrammarCompiler:
     def ll_tokenizer(self) -> llg.LLTokenizer:
         with self._lock:
             if self._ll is None:
-                tok = self._tokenizer
                 try:
-                    eos = list(tok.stop_token_ids) or [tok.eos_token_id]
-                    self._ll = llg.LLTokenizer(tok.backend.to_str(), n_vocab=tok.vocab_size, eos_token=eos)
+                    self._ll = llg_tokenizer(self._tokenizer)
                 except (KeyboardInterrupt, SystemExit):
                     raise
                 except BaseException as exc:  # noqa: BLE001 - a tokenizer llguidance cannot read

@@ -15,7 +15,10 @@ non-streaming answers agree. The format is text/tools.py's:
   a CLOSE inside one of its strings is text), and what follows it up to CLOSE is dropped. Under
   `required` or a named function the grammar makes every block so.
 - Any other block is kept whole until CLOSE: a JSON object with a string `name` and `arguments`
-  is a call, anything else stays content, markers and all; so does a block cut off by the end.
+  is a call, anything else stays content, markers and all; so does a block the model left open.
+- Output cut off by max_tokens (`finish(truncated=True)`) leaves no markup in the content: an
+  unfinished block and a trailing beginning of OPEN are dropped; a call cut off in its arguments
+  goes out with what came (OpenAI's truncated answer: finish_reason "length").
 """
 
 from __future__ import annotations
@@ -133,16 +136,22 @@ class ToolCallParser:
             pass
         return out
 
-    def finish(self) -> Parsed:
-        """Give out everything held: the output ended."""
+    def finish(self, truncated: bool = False) -> Parsed:
+        """Give out everything held: the output ended. `truncated`: it was cut off (max_tokens)
+        rather than ended by the model, so what it left open is markup cut short and is dropped:
+        a block without its head, a block without its end, a beginning of OPEN (a call cut off in
+        its arguments still goes out, with the arguments that came)."""
         out = Parsed()
         if self._state is _State.TEXT:
-            rest = self._buf.rstrip(_WS) if self.num_calls else self._buf
+            rest = self._buf
+            if truncated and (keep := len(rest) - partial_suffix(rest, OPEN)) < len(rest):
+                rest = rest[:keep].rstrip(_WS)
+            rest = rest.rstrip(_WS) if self.num_calls else rest
             out.content += rest.lstrip(_WS) if self._after_call else rest
         elif self._state is _State.ARGS:  # cut off inside the arguments: they end where it did
             if self._buf:
                 out.calls.append(CallPiece(self.num_calls - 1, self._buf))
-        elif self._state is not _State.TAIL:  # a block cut off before its head or its end: text
+        elif self._state is not _State.TAIL and not truncated:  # a block the model left open: text
             out.content += self._gap + OPEN + self._buf
         self._state, self._buf = _State.TEXT, ""
         return out

@@ -21,6 +21,8 @@ import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from pdserve.text.json_grammar import schema_rules, terminals
+
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 RESPONSE_OPEN = "<tool_response>"
@@ -29,7 +31,8 @@ RESPONSE_CLOSE = "</tool_response>"
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 # The separators json.dumps writes by default, so a grammar-made call is byte for byte what
 # `call_text` writes for the conversation history.
-_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_ITEM_SEPARATOR, _KEY_SEPARATOR = ", ", ": "
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": _ITEM_SEPARATOR, "key_separator": _KEY_SEPARATOR}
 _USES_TOOLS = re.compile(r"\btools\b")
 
 
@@ -140,12 +143,33 @@ def _decoded(call: dict[str, Any]) -> dict[str, Any]:
 def call_grammar(functions: Sequence[Function], max_calls: int = 1) -> str:
     """A Lark grammar (llguidance's dialect) for 1..max_calls calls of `functions`, newline
     separated, each exactly as `call_text` writes it, its arguments held to the function's
-    `parameters`, written with json.dumps' separators and no other whitespace."""
-    rules = ["start: call" + (f' ("\\n" call){{0,{max_calls - 1}}}' if max_calls > 1 else "")]
+    `parameters`, written with json.dumps' separators and no other whitespace.
+
+    The end is reachable right after every call, and so is a blank line: with parallel calls, a
+    newline after a call may begin the next call or end the turn, and a second newline ends it.
+    A small model that would go on with prose after its call (most often a blank line first) so
+    ends its turn instead of being steered, token by token, into repeating the call until
+    max_tokens. After the `max_calls`-th call only the end may come."""
+    if max_calls < 1:
+        raise ValueError("max_calls must be at least 1")
+
+    def calls(n: int) -> str:
+        return "call" + (f' ("\\n" call){{0,{n - 1}}}' if n > 1 else "")
+
+    start = calls(max_calls) + (f' | {calls(max_calls - 1)} "\\n" "\\n"?' if max_calls > 1 else "")
+    rules = [f"start: {start}"]
     rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(functions))))
+    needs_terminals = False
     for i, f in enumerate(functions):
         head = f'{OPEN}\n{{"name": {json.dumps(f.name)}, "arguments": '
         rules.append(f"call_{i}: {json.dumps(head)} args_{i} {json.dumps('}' + chr(10) + CLOSE)}")
-        schema = {**f.schema, "x-guidance": _JSON_STYLE}
-        rules.append(f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
+        bounded = schema_rules(f.schema, f"args_{i}", _ITEM_SEPARATOR, _KEY_SEPARATOR)
+        if bounded is not None:  # numbers of bounded length (text/json_grammar.py)
+            rules.extend(bounded)
+            needs_terminals = True
+        else:
+            schema = {**f.schema, "x-guidance": _JSON_STYLE}
+            rules.append(f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
+    if needs_terminals:
+        rules.extend(terminals())
     return "\n".join(rules) + "\n"

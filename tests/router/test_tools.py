@@ -227,3 +227,27 @@ def test_bad_tools_are_a_400_naming_the_field_and_reach_no_worker(colocated, cha
         assert len(colocated.workers[0].requests()) == seen
         ok = http.post(C, json={"model": "m", "messages": USER, "max_tokens": 200, "tools": [WEATHER]})
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["tool_calls"]
+
+
+def test_a_call_cut_by_max_tokens_leaves_no_markup_in_the_content_streamed_or_not():
+    # The reported answer: two calls, then max_tokens ends the output inside a third's marker.
+    tok = default_tokenizer()
+    call = call_text("get_weather", {"city": "Oslo"})
+    said = tok.encode(f"{call}\n{call}\n<tool_call", add_special_tokens=False)
+    rest = tok.encode('>\n{"name": "get_weather"', add_special_tokens=False)
+    with RouterHarness(tokenizer=tok, served_model_name="m", max_body_bytes=1 << 20) as h:
+        h.worker("colo-0", script=said + rest)
+        c = client(h)
+        body = {"model": "m", "messages": USER, "tools": [WEATHER], "tool_choice": "required",
+                "max_tokens": len(said)}
+        whole = c.chat.completions.create(**body).choices[0]
+        content, deltas, finish = [], [], None
+        for chunk in c.chat.completions.create(**body, stream=True):
+            for ch in chunk.choices:
+                content.append(ch.delta.content or "")
+                deltas.extend(ch.delta.tool_calls or [])
+                finish = ch.finish_reason or finish
+    assert whole.finish_reason == "length" and whole.message.content is None
+    assert [json.loads(t.function.arguments) for t in whole.message.tool_calls] == [{"city": "Oslo"}] * 2
+    assert "".join(content) == "" and finish == "length"
+    assert sorted({d.index for d in deltas}) == [0, 1]

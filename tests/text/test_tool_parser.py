@@ -142,3 +142,44 @@ def test_partial_suffix_finds_the_longest_proper_beginning():
     assert partial_suffix("x<", "<tool_call>") == 1
     assert partial_suffix("<tool_call>", "<tool_call>") == 0
     assert partial_suffix("plain", "<tool_call>") == 0
+
+
+def run_cut(text: str) -> tuple[str, list[dict]]:
+    """(content, calls) of output cut off by max_tokens, fed whole and one character at a time."""
+    results = []
+    for pieces in ([text], list(text)):
+        p = parser()
+        content, calls = [], []
+        for out in [*(p.push(x) for x in pieces), p.finish(truncated=True)]:
+            content.append(out.content)
+            for piece in out.calls:
+                if piece.id is not None:
+                    calls.append({"name": piece.name, "arguments": ""})
+                calls[piece.index]["arguments"] += piece.arguments
+        results.append(("".join(content), calls))
+    assert results[0] == results[1]
+    return results[0]
+
+
+@pytest.mark.parametrize("text", [
+    f"{CALL}\n{CALL}\n<tool_call",  # the reported answer: two calls, a third cut in its marker
+    f"{CALL}\n<tool_call>\n",
+    f'{CALL}\n<tool_call>\n{{"name": "get_w',
+    f"{CALL}\n<tool_call>\n[1, 2",  # a block that is no call, cut before its end
+    f"{CALL}\n<",
+], ids=["open marker cut", "head not begun", "head cut", "other block cut", "one bracket"])
+def test_output_cut_by_max_tokens_leaves_no_markup_in_the_content(text):
+    content, calls = run_cut(text)
+    assert content == ""
+    assert [c["name"] for c in calls] == ["get_weather"] * text.count(CALL)
+    assert all(json.loads(c["arguments"]) == {"city": "Paris", "unit": "celsius"} for c in calls)
+
+
+def test_content_before_a_marker_cut_by_max_tokens_stays_without_the_marker():
+    assert run_cut("Let me check. <tool_ca") == ("Let me check.", [])
+    assert run_cut('Let me check.\n<tool_call>\n{"name"') == ("Let me check.", [])
+
+
+def test_a_call_cut_by_max_tokens_in_its_arguments_goes_out_with_what_came():
+    assert run_cut('<tool_call>\n{"name": "f", "arguments": {"city": "Par') == (
+        "", [{"name": "f", "arguments": '{"city": "Par'}])

@@ -19,6 +19,7 @@ from pdserve.text.tools import (
     render_default,
     template_supports_tools,
 )
+from tests.helpers.chat_templates import family_tokenizer
 from tests.helpers.tiny_llama import default_tokenizer
 
 WEATHER = Function(
@@ -127,3 +128,49 @@ def test_the_parallel_call_grammar_takes_up_to_its_limit(compiler):
     one = call_text("get_time", {})
     assert accepts(compiler, g, one) and accepts(compiler, g, "\n".join([one] * 3))
     assert not accepts(compiler, g, "\n".join([one] * 4))
+
+
+def allowed_ids(m) -> set[int]:
+    mask = m.allowed_bitmask()
+    return {i for i in range(len(mask) * 8) if mask[i >> 3] >> (i & 7) & 1}
+
+
+def after(compiler: GrammarCompiler, grammar: str, text: str):
+    m = compiler.compile(StructuredOutput("grammar", grammar))
+    assert m.advance_all(default_tokenizer().encode(text, add_special_tokens=False)) and m.error is None
+    return m
+
+
+@pytest.mark.parametrize("max_calls", [1, 2, 3])
+def test_after_the_last_allowed_call_only_the_end_of_sequence_may_come(compiler, max_calls):
+    tok = default_tokenizer()
+    one = call_text("get_time", {})
+    m = after(compiler, call_grammar([WEATHER, TIME], max_calls), "\n".join([one] * max_calls))
+    assert m.done and allowed_ids(m) <= set(tok.stop_token_ids) and allowed_ids(m)
+
+
+@pytest.mark.parametrize("calls_so_far", [1, 2])
+def test_with_parallel_calls_the_end_may_come_after_each_call_its_newline_or_a_blank_line(compiler, calls_so_far):
+    tok = default_tokenizer()
+    newline, bracket = tok.encode("\n")[0], tok.encode("<")[0]
+    written = "\n".join([call_text("get_time", {})] * calls_so_far)
+    g = call_grammar([TIME], max_calls=3)
+    assert {tok.eos_token_id, newline} <= allowed_ids(after(compiler, g, written))
+    assert {tok.eos_token_id, newline, bracket} <= allowed_ids(after(compiler, g, written + "\n"))
+    blank = after(compiler, g, written + "\n\n")  # a blank line: the turn ends
+    assert blank.done and allowed_ids(blank) <= set(tok.stop_token_ids)
+    assert not accepts(compiler, g, written + "\n\n" + call_text("get_time", {}))
+
+
+@pytest.mark.parametrize("name", ["qwen2_5", "qwen3"])
+def test_with_qwens_vocabulary_the_grammar_of_calls_writes_each_marker_as_its_one_token(name):
+    # Qwen's <tool_call> is an added token that is not special: llguidance alone would read it as
+    # special, allow it as the only first token, then refuse it.
+    tok = family_tokenizer(name)
+    m = GrammarCompiler(tok).compile(StructuredOutput("grammar", call_grammar([WEATHER, TIME], max_calls=2)))
+    assert allowed_ids(m) == {tok.token_to_id("<tool_call>")}
+    ids = tok.encode(call_text("get_time", {}))
+    assert ids[0] == tok.token_to_id("<tool_call>") and ids[-1] == tok.token_to_id("</tool_call>")
+    assert m.advance_all(ids) and m.error is None
+    assert tok.token_to_id("<|im_end|>") in allowed_ids(m)
+    assert m.advance(tok.token_to_id("<|im_end|>")) and m.error is None
