@@ -23,6 +23,7 @@ from pdserve.text.model_files import default_gguf_path
 from tests.helpers.tiny_llama import SMOLLM2_VOCAB_SIZE, default_tokenizer
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+CHAT_TOKEN_ROOM = 64  # vocabulary rows past SmolLM2's for a chat format's added tokens
 
 # Per family: the transformers classes, and the shape options that exercise what differs.
 _SHAPES: dict[str, dict[str, Any]] = {
@@ -50,16 +51,18 @@ def _hf_classes(family: str):
     }[family]
 
 
-def make_tiny_dir(path: Path, family: str, *, seed: int = 0, tokenizer_config: dict[str, Any] | None = None,
-                  special_tokens: list[str] | None = None, **shape: Any) -> Path:
+def make_tiny_dir(path: Path, family: str, *, seed: int = 0, chat: str | None = None, **shape: Any) -> Path:
     """Write a random model of `family` (same weights for the same arguments) to `path` as a Hugging
     Face directory and return `path`. `shape` overrides the family's tiny shape (any config field,
-    e.g. sliding_window=37 or tie_word_embeddings=True); `tokenizer_config` overrides fields of
-    tokenizer_config.json (a chat template, bos/eos tokens) and `special_tokens` are added to the
-    tokenizer as special tokens (a family's turn markers)."""
+    e.g. sliding_window=37 or tie_word_embeddings=True). `chat` names a chat format of
+    tests/helpers/chat_templates ("qwen2_5", "qwen3", "gemma3"): its tokens are added to the
+    vocabulary and its template, BOS/EOS and stop tokens go into the directory, as the family's
+    real tokenizer files would have them; else SmolLM2's."""
     config_cls, model_cls = _hf_classes(family)
     tokenizer = default_tokenizer()
-    fields = {**_SHAPES[family], "vocab_size": SMOLLM2_VOCAB_SIZE, "max_position_embeddings": 2048,
+    # Room for a chat format's added tokens past SmolLM2's, as real vocabularies are padded.
+    vocab = SMOLLM2_VOCAB_SIZE + (CHAT_TOKEN_ROOM if chat else 0)
+    fields = {**_SHAPES[family], "vocab_size": vocab, "max_position_embeddings": 2048,
               "tie_word_embeddings": False, "bos_token_id": tokenizer.bos_token_id,
               "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.eos_token_id, **shape}
     config = config_cls(**fields)
@@ -75,13 +78,10 @@ def make_tiny_dir(path: Path, family: str, *, seed: int = 0, tokenizer_config: d
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
-    backend = tokenizer.backend
-    if special_tokens:
-        from tokenizers import AddedToken, Tokenizer
-
-        backend = Tokenizer.from_str(backend.to_str())
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
-    backend.save(str(path / "tokenizer.json"))
+    if chat is not None:
+        _write_family_tokenizer(path, chat)
+        return path
+    tokenizer.backend.save(str(path / "tokenizer.json"))
     config_json = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": tokenizer.bos_token,
@@ -91,10 +91,27 @@ def make_tiny_dir(path: Path, family: str, *, seed: int = 0, tokenizer_config: d
         "add_bos_token": False,
         "model_max_length": fields["max_position_embeddings"],
         "chat_template": tokenizer.chat_template,
-        **(tokenizer_config or {}),
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config_json, indent=2) + "\n")
     return path
+
+
+def _write_family_tokenizer(path: Path, chat: str) -> None:
+    """SmolLM2's vocabulary with the `chat` format's tokens added, and its tokenizer_config.json
+    and generation_config.json's stop tokens (as the family's real files have them)."""
+    from tokenizers import Tokenizer
+
+    from tests.helpers import chat_templates
+
+    backend = chat_templates.add_family_tokens(Tokenizer.from_str(default_tokenizer().backend.to_str()), chat)
+    if backend.get_vocab_size() > SMOLLM2_VOCAB_SIZE + CHAT_TOKEN_ROOM:
+        raise ValueError("the family's tokens do not fit the model's vocabulary")
+    backend.save(str(path / "tokenizer.json"))
+    config = chat_templates.tokenizer_config(chat, backend.token_to_id)
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").exists() else {}
+    generation |= chat_templates.generation_config(chat, backend.token_to_id)
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def hf_model(path: Path) -> torch.nn.Module:
