@@ -107,8 +107,8 @@ def test_a_long_prompt_runs_the_large_step_packing_as_the_pytorch_layers_do(fami
         assert local is None or local.get_buffer("cos").dtype == torch.float32
     compiled = engines[0].runner.model.compiled_layers
     assert compiled is not None
-    if not compiled.large_weights or not compiled.prefills:
-        pytest.skip("no second packing for large steps, or no compiled bfloat16 prefill, on this CPU")
+    # Where this CPU keeps no second packing (no tiles) or does not compile this head size's
+    # bfloat16 prefill, the long prompt runs as every other step does: still compared below.
     engines[1].runner.model.use_compiled_layers(None)
     prompt = {"long": [(7 * i) % 5000 + 10 for i in range(cpu_linear.TILE_MAX_ROWS + 20)]}
     outs = [greedy_tokens(e, prompt, 4) for e in engines]
