@@ -4,6 +4,10 @@ next to what this machine can do at best.
     python -m pdserve.bench.engine_overhead [--threads 1] [--model default|DIR|FILE.gguf] [--dtype float32]
                                             [--prefill 64,256,1024] [--json PATH]
 
+Any model pdserve serves: `--model DIR` takes a Hugging Face directory (bench/shapes.py writes real
+models' shapes), and `--json` keeps every case's figures for the results page (bench/results.sh's
+shapes stage).
+
 The same run measures the machine: its GEMM rate (the best of square and prefill-shaped torch
 matmuls in the engine's dtype, and of the engine's own linear on the prefill shape) and its
 memory read bandwidth (a sum over a tensor far larger than the caches), both the best of the

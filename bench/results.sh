@@ -11,12 +11,22 @@
 # PEERS_SCRIPTS, default ../shared/peers). bfloat16 rows (pdserve and vLLM) are added only on a
 # CPU that computes bfloat16 natively (AVX512-BF16 or AMX-BF16); the other rows pin float32.
 # STAGES="saturation rate1 interference" runs a subset; ONLY="vllm mixed chunked" keeps only
-# those deployments; SWEEP_RATES=0.8,1.6,2.4 sets the interference sweep's rates.
+# those deployments; SWEEP_RATES=0.8,1.6,2.4 sets the interference sweep's rates; PAGE=FILE renders
+# into another copy of the page (a trial run).
+# STAGES=shapes (not among the default stages: about 1 3/4 hours on 2 cores) measures real
+# models' shapes with random weights, larger than the CPU's cache (python -m pdserve.bench.shapes
+# writes them once into SHAPES_DIR, default ~/.cache/pdserve-shapes): for each of SHAPES (default
+# "qwen2.5-0.5b llama-3.2-1b"), vLLM-CPU and pdserve mixed, chunked and disaggregated in both
+# dtypes (ONLY applies), each started once for the W1 burst (32 requests) and one stream (8
+# requests, one at a time), and the decode roofline from pdserve.bench.engine_overhead; on
+# SHAPES_SWEPT (default llama-3.2-1b) also an interference mix scaled to the model (SHAPES_MIX)
+# swept over SHAPES_RATES with chunked, disaggregated and vLLM in bfloat16 (float32 on a CPU
+# without native bfloat16).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The command as typed, with the variables that shape the run: the results page shows it.
 CMD="bash bench/results.sh${1:+ $1}"
-for var in SWEEP_RATES ONLY STAGES; do
+for var in SWEEP_RATES SHAPES_MIX SHAPES_RATES SHAPES_SWEPT SHAPES ONLY STAGES; do
   if [ -n "${!var:-}" ]; then CMD="$var=\"${!var}\" $CMD"; fi
 done
 case " $(grep -m1 '^flags' /proc/cpuinfo) " in
@@ -37,7 +47,7 @@ mkdir -p "$OUT"
 # Overloaded strategies queue requests for minutes: measure that, don't let the router time them out.
 export PDSERVE_REQUEST_TIMEOUT=${PDSERVE_REQUEST_TIMEOUT:-900}
 # Exact prompt lengths: count tokens with the served model's own tokenizer.
-.venv/bin/python -c "from tests.helpers.tiny_llama import default_tokenizer as t; t().save('$OUT/tokenizer.json')"
+.venv/bin/python -c "from pdserve.text.loader import load_tokenizer as t; t().tokenizer.save('$OUT/tokenizer.json')"
 case $KIND in amx | avx512-bf16) BF16=1 ;; *) BF16=0 ;; esac
 
 stamp() {  # $1: a finished stage's folder. What the results page prints above the stage's table.
@@ -70,16 +80,66 @@ if [ "$BF16" = 1 ]; then
     --deployment "disaggregated-bf16=pdserve up --dtype bfloat16 --port {port}"
   )
 fi
-if [ -n "${ONLY:-}" ]; then  # keep the --deployment pairs whose name is in ONLY
-  kept=()
-  for ((i = 0; i < ${#DEPLOY[@]}; i += 2)); do
-    name=${DEPLOY[i+1]%%=*}
-    [[ " $ONLY " == *" $name "* ]] && kept+=("${DEPLOY[i]}" "${DEPLOY[i+1]}")
+only() {  # the --deployment pairs of "$@" whose name is in ONLY (all of them without ONLY), NUL-separated
+  local i name
+  for ((i = 1; i < $#; i += 2)); do
+    name=${@:i+1:1}
+    name=${name%%=*}
+    if [[ -z "${ONLY:-}" || " $ONLY " == *" $name "* ]]; then printf '%s\0' "${@:i:2}"; fi
   done
-  DEPLOY=("${kept[@]}")
-fi
+}
+mapfile -d '' DEPLOY < <(only "${DEPLOY[@]}")
 # The client runs on core 0 with the router and the prefill worker: decode workers own core 1.
 COMMON=(--endpoint completions --tokenizer "$OUT/tokenizer.json" --seed 0 --warmup 2 --no-progress --client-cpus 0)
+
+SHAPES=${SHAPES:-qwen2.5-0.5b llama-3.2-1b}
+SHAPES_DIR=${SHAPES_DIR:-$HOME/.cache/pdserve-shapes}
+SHAPES_SWEPT=${SHAPES_SWEPT:-llama-3.2-1b}
+# The interference stage's chats, with long prompts costing the compute per second its own cost
+# SmolLM2: a 1B model's prefill costs 9 times SmolLM2's a token, so 256 tokens every 20 s stand
+# for 768 every 6 s (each about 1.3 s of both cores in bfloat16, 2.5 s of the disaggregated
+# prefill worker's one core; 768 tokens would hold that core past the TTFT limit every time).
+SHAPES_MIX=${SHAPES_MIX:---input-len 96 --output-len 64 --long-input-len 256 --long-output-len 8 --long-interval 20 --num-requests 24}
+SHAPES_RATES=${SHAPES_RATES:-0.1,0.2,0.4}
+shapes_stage() {  # $1: the stage's folder, one folder per shape in it
+  local dtypes=(float32) fast=float32 sfx shape dir out dt deps runs swept
+  [ "$BF16" = 1 ] && dtypes+=(bfloat16) && fast=bfloat16
+  for shape in $SHAPES; do
+    dir=$SHAPES_DIR/$shape out=$1/$shape
+    .venv/bin/python -m pdserve.bench.shapes write "$shape" "$dir"
+    mkdir -p "$out" && cp "$dir/shape.json" "$out/"
+    deps=()
+    for dt in "${dtypes[@]}"; do
+      sfx=; [ "$dt" = bfloat16 ] && sfx=-bf16
+      .venv/bin/python -m pdserve.bench.engine_overhead --model "$dir" --dtype "$dt" --threads 2 --prefill 256 \
+        --json "$out/roofline-$dt.json" | tee "$out/roofline-$dt.txt"
+      [ -x "$PEERS_DIR/vllmvenv/bin/vllm" ] &&
+        deps+=(--deployment "vllm$sfx=bash $PEERS_SCRIPTS/serve.sh vllm$sfx {port} $dir")
+      deps+=(
+        --deployment "mixed$sfx=pdserve up --colocated --policy mixed --model $dir --dtype $dt --port {port}"
+        --deployment "chunked$sfx=pdserve up --colocated --policy chunked --max-num-batched-tokens 512 --model $dir --dtype $dt --port {port}"
+        --deployment "disaggregated$sfx=pdserve up --model $dir --dtype $dt --port {port}"
+      )
+    done
+    mapfile -d '' deps < <(only "${deps[@]}")
+    runs=(
+      --run "burst=--workload random --input-len 256 --output-len 64 --range-ratio 0 --request-rate inf --num-requests 32"
+      --run "stream=--workload random --input-len 256 --output-len 64 --range-ratio 0 --concurrency 1 --num-requests 8 --warmup 1"
+    )
+    sfx=; [ "$fast" = bfloat16 ] && sfx=-bf16
+    swept=()  # the deployments of the sweep that the run has
+    for n in "chunked$sfx" "disaggregated$sfx" "vllm$sfx"; do
+      if [[ " ${deps[*]} " == *" $n="* ]]; then swept+=("$n"); fi
+    done
+    if [[ " $SHAPES_SWEPT " == *" $shape "* && ${#swept[@]} -gt 0 ]]; then
+      runs+=(--run "interference=--workload interference $SHAPES_MIX --slo ttft=3s,tbt_p99=200ms --rates $SHAPES_RATES"
+        --only "interference=$(IFS=,; echo "${swept[*]}")")
+    fi
+    # Exit status 1: a deployment failed, and its rows say so; anything else stops the run.
+    .venv/bin/python -m pdserve.bench.multi_compare "${deps[@]}" "${runs[@]}" "${COMMON[@]}" --output-dir "$out" ||
+      [ $? = 1 ]
+  done
+}
 
 for stage in $STAGES; do
   rm -rf "${OUT:?}/$stage"  # a stage's folder holds one run
@@ -100,9 +160,11 @@ for stage in $STAGES; do
       --deployment "chunked=pdserve up --colocated --policy chunked --max-num-batched-tokens 512 ${F32[*]} --port {port}" \
       --deployment "disaggregated=pdserve up ${F32[*]} --port {port}" --slo ttft=3s,tbt_p99=200ms \
       --output-dir "$OUT/concurrency32" ;;
+  shapes)  # real models' shapes, larger than the cache: one start per deployment for every workload
+    shapes_stage "$OUT/shapes" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
   stamp "$OUT/$stage"
 done
 # shellcheck disable=SC2086  # one argument per stage
-.venv/bin/python -m pdserve.bench.results_page --kind "$KIND" --run-dir "$OUT" --stages $STAGES
+.venv/bin/python -m pdserve.bench.results_page --kind "$KIND" --run-dir "$OUT" --stages $STAGES --page "${PAGE:-docs/results.md}"

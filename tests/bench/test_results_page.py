@@ -137,3 +137,114 @@ def test_a_stage_without_run_json_is_refused(page, run):
     with pytest.raises(ValueError, match="run.json"):
         publish("amx", run, page)
     assert page.read_text() == PAGE
+
+
+# The shapes stage: one folder per shape, each with the multi_compare runs and the rooflines.
+def plan(num_requests: int, warmup: int, mode: str = "open", concurrency: int | None = None, **workload) -> dict:
+    return {"workload": {"kind": "random", "num_requests": num_requests + warmup, "input_len": 256, "output_len": 64,
+                         "request_rate": "inf", **workload},
+            "load": {"mode": mode, "concurrency": concurrency, "num_warmup": warmup},
+            "slo": {"ttft_ms": 3000.0, "tbt_p99_ms": 200.0}, "rates": None, "attainment_target": 0.9}
+
+
+def served(req_s: float, tpot_ms: float, ttft_ms: float = 900.0) -> dict:
+    return {"completed": 32, "failed": 0, "request_throughput": req_s, "output_throughput": 64 * req_s,
+            "p50_ttft_ms": ttft_ms, "p50_tpot_ms": tpot_ms, "startup_s": 21.04}
+
+
+def roofline(dtype: str, bytes_per_weight: int) -> dict:
+    def case(name: str, kind: str, tokens: int, engine_s: float) -> dict:
+        weights = 1.0e9 * bytes_per_weight
+        return {"case": name, "kind": kind, "tokens": tokens, "context": 256 if kind == "decode" else 0,
+                "engine_s": engine_s, "matmuls_s": engine_s / 2, "flops": 2e9 * tokens, "bytes": weights,
+                "gemm_flops_s": 4e11, "read_bytes_s": 2e10, "one_thread_read_bytes_s": 1.5e10,
+                "roofline_s": max(weights / 2e10, 2e9 * tokens / 4e11)}
+
+    return {"dtype": dtype, "threads": 2, "cases": [case("decode batch 1", "decode", 1, 0.2),
+                                                    case("decode batch 32", "decode", 32, 0.4),
+                                                    case("prefill 256 tokens", "prefill", 256, 2.0)]}
+
+
+def write_shape_run(run, swept: bool = True) -> None:
+    stage = run / "shapes"
+    shape = stage / "llama-3.2-1b"
+    write_json(shape / "shape.json", {"name": "llama-3.2-1b", "num_parameters": 1_235_814_400,
+                                      "description": "LlamaForCausalLM, 1.24 B parameters: 16 layers"})
+    write_json(shape / "roofline-float32.json", roofline("float32", 4))
+    write_json(shape / "roofline-bfloat16.json", roofline("bfloat16", 2))
+    write_json(shape / "burst" / "plan.json", plan(32, 2))
+    write_json(shape / "burst" / "compare.json", {"deployments": {
+        "vllm-bf16": served(0.50, 180.0), "mixed-bf16": served(0.75, 150.0),
+        "disaggregated-bf16": {"error": "exited with code 1 before ready; log tail:\nMemoryError"}}})
+    write_json(shape / "stream" / "plan.json", plan(8, 1, mode="closed", concurrency=1))
+    write_json(shape / "stream" / "compare.json", {"deployments": {
+        "vllm-bf16": served(0.1, 120.0, 1500.0), "mixed-bf16": served(0.1, 100.0, 1200.0)}})
+    if swept:
+        write_json(shape / "interference" / "plan.json",
+                   plan(24, 2, kind="interference", input_len=96, long_input_len=768, long_output_len=8,
+                        long_interval_s=30.0) | {"rates": [0.8, 1.6]})
+        write_json(shape / "interference" / "compare.json", {"deployments": {
+            "vllm-bf16": {"startup_s": 95.0, "max_rate_meeting_slo": None},
+            "disaggregated-bf16": {"startup_s": 30.0, "max_rate_meeting_slo": 1.6}}})
+        for name, s in {"vllm-bf16": sweep("vllm-bf16", [0.5, 0.2], [0.4, 0.3]),
+                        "disaggregated-bf16": sweep("disaggregated-bf16", [1.0, 0.95], [0.8, 1.5])}.items():
+            write_json(shape / "interference" / name / "sweep" / "sweep.json", s)
+    # A smaller shape, without a vLLM row: it comes first, and its rows have no ratio.
+    small = stage / "qwen2.5-0.5b"
+    write_json(small / "shape.json", {"name": "qwen2.5-0.5b", "num_parameters": 494_032_768,
+                                      "description": "Qwen2ForCausalLM, 0.49 B parameters"})
+    write_json(small / "burst" / "compare.json", {"deployments": {"chunked": served(1.2, 90.0)}})
+    (stage / "run.json").write_text(json.dumps({"cpu": "AMD EPYC", "cores": 2, "commit": "abc1234",
+                                                "date": "2026-12-08", "command": "STAGES=shapes bash bench/results.sh"}))
+
+
+def shapes_block(page) -> str:
+    text = page.read_text()
+    return text[text.index("<!-- results:amx:shapes:begin -->"):text.index("<!-- results:amx:shapes:end -->")]
+
+
+def test_the_shapes_stage_shows_each_shapes_deployments_beside_the_decode_roofline(page, tmp_path):
+    write_shape_run(tmp_path)
+    assert publish("amx", tmp_path, page) == ["shapes"]
+    block = shapes_block(page)
+    assert "`STAGES=shapes bash bench/results.sh` at `abc1234`, 2026-12-08, on AMD EPYC (2 cores)." in block
+    # W1 req/s, vs vLLM, out tok/s, TTFT, TPOT, roofline b32 (32 GFLOP... 2 GB / 20 GB/s = 100 ms), the
+    # stream's TTFT and TPOT, roofline b1, vLLM's TPOT over this one, start-up.
+    assert "| mixed-bf16 | 0.75 | 1.50x | 48 | 900 | 150 | 160 | 1,200 | 100 | 100 | 1.20x | 21.0 |" in block
+    assert "| vllm-bf16 | 0.50 |  | 32 | 900 | 180 | 160 | 1,500 | 120 | 100 |  | 21.0 |" in block
+    assert "| disaggregated-bf16 | error: exited with code 1 before ready; log tail: |" in block
+    # The roofline table: bytes over bandwidth, or FLOPs over the GEMM rate where that is longer.
+    assert "| float32 | decode batch 1 | 4.00 | 2.0 | 20.0 | 15.0 | 400 | 200 | memory | 200 | 1.00 |" in block
+    assert "| bfloat16 | prefill 256 tokens | 2.00 | 512.0 | 20.0 | 15.0 | 400 | 1,280 | compute | 2,000 | 0.64 |" in block
+    assert "**W1 burst**: 32 prompts of 256 tokens, 64 output tokens, all sent at once." in block
+    assert "**One stream**: 8 prompts of 256 tokens, 64 output tokens, one at a time." in block
+
+
+def test_the_swept_shape_shows_its_slo_capacity_against_vllm(page, tmp_path):
+    write_shape_run(tmp_path)
+    publish("amx", tmp_path, page)
+    block = shapes_block(page)
+    assert ("Interference, swept: 24 chats per rate of 96 prompt tokens and 64 output tokens, with a 768-token "
+            "prompt (8 output tokens) every 30 s") in block
+    assert "TTFT ≤ 3 s, TBT p99 ≤ 200 ms" in block
+    assert "| disaggregated-bf16 | 100 / 95 % | 40-50 | ≥ 1.6 | 1.50 at 1.6 | 3.8x | 30.0 |" in block
+    assert "| vllm-bf16 | 50 / 20 % | 40-50 | below 0.8 | 0.40 at 0.8 |  | 95.0 |" in block
+
+
+def test_shapes_come_smallest_first_and_a_shape_without_a_peer_has_no_ratio(page, tmp_path):
+    write_shape_run(tmp_path, swept=False)
+    publish("amx", tmp_path, page)
+    block = shapes_block(page)
+    assert block.index("#### qwen2.5-0.5b") < block.index("#### llama-3.2-1b")
+    assert "Interference, swept" not in block
+    assert "| chunked | 1.20 | - | 77 | 900 | 90 | - | - | - | - | - | 21.0 |" in block
+
+
+def test_the_shapes_block_goes_after_the_other_stages_and_keeps_them(page, run, tmp_path):
+    publish("amx", run, page)
+    write_shape_run(tmp_path / "later")
+    assert publish("amx", tmp_path / "later", page, ["shapes"]) == ["shapes"]
+    text = page.read_text()
+    assert "| mixed-bf16 | 9.81 | 1.63x |" in text
+    assert text.index("<!-- results:amx:saturation:end -->") < text.index("<!-- results:amx:shapes:begin -->")
+    assert not (page.parent / "results" / "amx" / "shapes").exists()  # the block shows no picture
