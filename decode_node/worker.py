@@ -43,7 +43,7 @@ class DecodeWorker(Worker):
     def create(cls, options: WorkerOptions, config: EngineConfig, loaded: LoadedModel | None = None) -> DecodeWorker:
         """A decode worker: decode-only steps, and a connector that loads arriving KV."""
         config = replace(config, policy=DECODE_ONLY)
-        loaded = loaded or load_model(config.model)
+        loaded = loaded or load_model(config.model, single_use=True)  # this process builds one engine
         connector = DecodeConnector()
         engine = Engine(config, loaded, KVConnector(connector, connector))
         return cls(options, engine, model_fingerprint(config, loaded), connector)

@@ -105,7 +105,7 @@ class Engine:
                  connector: KVConnector | None = None) -> None:
         config = replace(config, dtype=resolve_dtype(config.dtype, config.device))
         self.config = config
-        loaded = loaded or load_model(config.model)
+        loaded = loaded or load_model(config.model, single_use=True)  # its own copy: let go as it loads
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -129,7 +129,8 @@ class Engine:
             policy,
             self.connector.scheduler,
         )
-        self.runner = ModelRunner(config, loaded.config, loaded.state_dict, self.max_model_len, num_blocks)
+        self.runner = ModelRunner(config, loaded.config, loaded.state_dict, self.max_model_len, num_blocks,
+                                  consume_weights=loaded.single_use)
         self.counters = EngineCounters()
         self.last_step_ran = False  # whether the last step() ran the model (a caller's idle check)
         self.grammars = GrammarCompiler(loaded.tokenizer)

@@ -41,7 +41,8 @@ def _tensor(values: array, dtype: torch.dtype) -> torch.Tensor:
 class ModelRunner:
     """Owns the model weights and the KV cache tensor [L, 2, num_blocks, S, Hkv, D]."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, state_dict, max_model_len: int, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, state_dict, max_model_len: int, num_blocks: int,
+                 consume_weights: bool = False) -> None:
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             keep_step_memory()
@@ -51,8 +52,11 @@ class ModelRunner:
         self.backend = get_backend(self.device, config.attention_backend, cpu_kernels=config.cpu_kernels,
                                    require_cpu_kernels=config.require_cpu_kernels, kernel_cache=config.kernel_cache)
         self.model = LlamaForCausalLM(model_config, self.backend, max_positions=max_model_len)
-        self.model.load_weights(state_dict)
+        # The parameters take the serving dtype and device first, the weights are cast as they are
+        # copied in: no float32 copy of the model beside the source. With `consume_weights` the
+        # source (a worker's own, LoadedModel.single_use) is let go tensor by tensor as well.
         self.model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.load_weights(state_dict, consume=consume_weights)
         for rotary in (self.model.model.rotary, self.model.model.rotary_local):  # tables stay float32
             if rotary is not None:
                 rotary.to(dtype=torch.float32)

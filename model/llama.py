@@ -368,9 +368,14 @@ class LlamaForCausalLM(nn.Module):
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy a Hugging Face-named state dict in; raise ValueError naming missing/extra tensors."""
+    def load_weights(self, state_dict: dict[str, torch.Tensor], consume: bool = False) -> None:
+        """Copy a Hugging Face-named state dict in (cast to the parameters' dtype); raise ValueError
+        naming missing/extra tensors. With `consume`, `state_dict` is emptied and each tensor let go
+        once copied, so the source never sits whole beside the model."""
+        source = state_dict
         state_dict = fuse_state_dict(state_dict)
+        if consume:
+            source.clear()
         if self.config.norm_weight_offset:  # Gemma's norms multiply by 1 + w
             offset = self.config.norm_weight_offset
             state_dict = {k: v + offset if k.endswith("norm.weight") else v for k, v in state_dict.items()}
@@ -382,8 +387,9 @@ class LlamaForCausalLM(nn.Module):
         extra = state_dict.keys() - own.keys() - {"lm_head.weight"}
         if missing or extra:
             raise ValueError(f"weights do not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}")
+        for name, tensor in state_dict.items():
+            if own[name].shape != tensor.shape:
+                raise ValueError(f"{name}: expected shape {tuple(own[name].shape)}, file has {tuple(tensor.shape)}")
         with torch.no_grad():
-            for name, tensor in state_dict.items():
-                if own[name].shape != tensor.shape:
-                    raise ValueError(f"{name}: expected shape {tuple(own[name].shape)}, file has {tuple(tensor.shape)}")
-                own[name].copy_(tensor)
+            for name in list(state_dict):
+                own[name].copy_(state_dict.pop(name) if consume else state_dict[name])

@@ -26,13 +26,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LoadedModel:
-    """A model ready for the runner: the caller owns `state_dict` (float32, CPU) and may move it."""
+    """A model ready for the runner: the caller owns `state_dict` (float32, CPU) and may move it.
+    `single_use`: the engine built from it empties `state_dict` as it loads the weights (a worker
+    process's own copy), so that the float32 tensors are gone before the packed copies are made:
+    a 1B model's float32 weights are 4.9 GB, which two workers on one host would otherwise hold
+    beside their packed bfloat16 copies at once."""
 
     name: str
     path: Path
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]
     tokenizer: Tokenizer
+    single_use: bool = False
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -95,8 +100,9 @@ def validate_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor]
         raise ModelLoadError("the weights do not match the model config: " + " | ".join(problems))
 
 
-def load_model(spec: str | None = "default") -> LoadedModel:
-    """Resolve `spec`, read its weights and tokenizer; ModelLoadError says what went wrong."""
+def load_model(spec: str | None = "default", single_use: bool = False) -> LoadedModel:
+    """Resolve `spec`, read its weights and tokenizer; ModelLoadError says what went wrong.
+    `single_use`: see LoadedModel (for a process that builds one engine from it)."""
     files = resolve_model(spec)
     if files.format is ModelFormat.GGUF:
         gguf = load_gguf(files.path)
@@ -118,4 +124,4 @@ def load_model(spec: str | None = "default") -> LoadedModel:
         config.vocab_size,
         files.path,
     )
-    return LoadedModel(files.name, files.path, config, state_dict, tokenizer)
+    return LoadedModel(files.name, files.path, config, state_dict, tokenizer, single_use)

@@ -41,7 +41,7 @@ class PrefillWorker(Worker):
         worker_id = options.worker_id or default_worker_id(cls.role)
         options = replace(options, kv_transports=usable or ("tcp",), worker_id=worker_id)
         config = replace(config, policy=CHUNKED)
-        loaded = loaded or load_model(config.model)
+        loaded = loaded or load_model(config.model, single_use=True)  # this process builds one engine
         fingerprint = model_fingerprint(config, loaded)
         connector = PrefillConnector(fingerprint, worker_id, context_length(config, loaded.config),
                                      lease_s=options.kv_lease, auth=FrameAuth.from_secret(options.secret))

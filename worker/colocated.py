@@ -22,7 +22,7 @@ class ColocatedWorker(Worker):
 
     @classmethod
     def create(cls, options: WorkerOptions, config: EngineConfig, loaded: LoadedModel | None = None) -> ColocatedWorker:
-        loaded = loaded or load_model(config.model)
+        loaded = loaded or load_model(config.model, single_use=True)  # this process builds one engine
         return cls(options, Engine(config, loaded), model_fingerprint(config, loaded))
 
     def kv_address(self) -> str:
