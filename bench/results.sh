@@ -122,9 +122,10 @@ shapes_stage() {  # $1: the stage's folder, one folder per shape in it
       )
     done
     mapfile -d '' deps < <(only "${deps[@]}")
+    # The stream has its own seed: the burst's prompts would be prefix-cache hits on every server.
     runs=(
       --run "burst=--workload random --input-len 256 --output-len 64 --range-ratio 0 --request-rate inf --num-requests 32"
-      --run "stream=--workload random --input-len 256 --output-len 64 --range-ratio 0 --concurrency 1 --num-requests 8 --warmup 1"
+      --run "stream=--workload random --input-len 256 --output-len 64 --range-ratio 0 --concurrency 1 --num-requests 8 --warmup 1 --seed 1"
     )
     sfx=; [ "$fast" = bfloat16 ] && sfx=-bf16
     swept=()  # the deployments of the sweep that the run has

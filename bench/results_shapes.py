@@ -104,7 +104,27 @@ def _intro(burst: dict | None, stream: dict | None, one_thread: float | None) ->
         "measured around it, or its FLOPs over the GEMM rate where that takes longer "
         "(`python -m pdserve.bench.engine_overhead --model DIR --threads 2`, the threads of a colocated "
         f"worker; a disaggregated decode worker has one core{thread}). \"roofline b32\" and \"b1\" stand "
-        "beside the TPOT they bound; \"of roofline\" is the bound over the engine's measured step.")
+        "beside the TPOT they bound; \"of roofline\" is the bound over the engine's measured step."
+        + _same_prompts_note(burst, stream))
+
+
+def _same_prompts_note(burst: dict | None, stream: dict | None) -> str:
+    """What the stream's TTFT measures where its prompts were the burst's (one seed for both, as
+    runs before the stream got its own seed had): a cached prompt, on every server."""
+    seeds = [(p or {}).get("workload", {}).get("seed") for p in (burst, stream)]
+    if None in seeds or seeds[0] != seeds[1]:
+        return ""
+    return (" In this run the stream's prompts were the burst's first ones (one seed for both), so its TTFT is "
+            "a prefix-cache hit on every server (vLLM-CPU caches prefixes too), not a prefill: read the W1 "
+            "TTFT and the roofline table's prefill for that; the stream's TPOT is unaffected.")
+
+
+def _all_failed(summary: dict) -> str:
+    """"every request failed" for a run none of whose requests completed (its workers never served:
+    the server log says why), else ""."""
+    if summary.get("completed") == 0 and summary.get("failed"):
+        return f"all {summary['failed']} requests failed (see the server log)"
+    return ""
 
 
 def _serving_table(burst: dict[str, dict], stream: dict[str, dict], rooflines: dict[str, dict]) -> str:
@@ -116,7 +136,7 @@ def _serving_table(burst: dict[str, dict], stream: dict[str, dict], rooflines: d
     rows = []
     for name in names:
         b, s = burst.get(name, {}), stream.get(name, {})
-        if error := b.get("error") or s.get("error"):
+        if error := b.get("error") or s.get("error") or _all_failed(b) or _all_failed(s):
             rows.append(error_row(name, error, len(head)))
             continue
         roof = rooflines.get(dtype_of(name))
