@@ -16,3 +16,17 @@ def greedy_tokens(engine: Engine, prompts: dict[str, list[int]], max_tokens: int
         for o in engine.step():
             out[o.request_id].extend(o.new_token_ids)
     return out
+
+
+class StepRecorder:
+    """Stands in for torch.ops.pdserve_cpu in a model's CompiledLayers: records each step's
+    (rows, decode rows) and runs the real decoder_layers_."""
+
+    def __init__(self, ops) -> None:
+        self.ops, self.steps = ops, []
+        names = [a.name for a in ops.decoder_layers_.default._schema.arguments]
+        self.num_decode_at = names.index("num_decode")
+
+    def decoder_layers_(self, *args):
+        self.steps.append((args[0].shape[0], args[self.num_decode_at]))
+        return self.ops.decoder_layers_(*args)

@@ -25,7 +25,7 @@ from pdserve.config.engine import EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.kernels import cpu_linear
 from pdserve.model.weights import load_model
-from tests.helpers.engine_runs import greedy_tokens
+from tests.helpers.engine_runs import StepRecorder, greedy_tokens
 from tests.helpers.tiny_models import FAMILIES, make_tiny_dir
 
 # Each family's tiny shape; Gemma 3's again with a window of 37 (over several blocks of 4); Qwen2's
@@ -37,20 +37,6 @@ MODELS = [(family, {}) for family in FAMILIES] + [("gemma3", {"sliding_window": 
 def family_model(request, tmp_path_factory):
     family, shape = request.param
     return family, load_model(str(make_tiny_dir(tmp_path_factory.mktemp(family), family, **shape)))
-
-
-class StepRecorder:
-    """Stands in for torch.ops.pdserve_cpu in a model's CompiledLayers: records each step's
-    (rows, decode rows) and runs the real decoder_layers_."""
-
-    def __init__(self, ops) -> None:
-        self.ops, self.steps = ops, []
-        names = [a.name for a in ops.decoder_layers_.default._schema.arguments]
-        self.num_decode_at = names.index("num_decode")
-
-    def decoder_layers_(self, *args):
-        self.steps.append((args[0].shape[0], args[self.num_decode_at]))
-        return self.ops.decoder_layers_(*args)
 
 
 def lockstep(loaded, dtype: str, block_size: int):

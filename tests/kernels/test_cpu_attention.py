@@ -21,7 +21,7 @@ from pdserve.kernels.backends import get_backend
 from pdserve.kernels.cpu_backend import CpuBackend
 from pdserve.kernels.reference import ReferenceBackend
 from pdserve.kernels.testing import make_case
-from tests.helpers.engine_runs import greedy_tokens
+from tests.helpers.engine_runs import StepRecorder, greedy_tokens
 from tests.kernels.test_reference import oracle, run_prefill
 
 
@@ -454,20 +454,6 @@ def test_the_compiled_layers_refuse_prompt_metadata_that_does_not_cover_the_step
                                     torch.zeros(4, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
                                     torch.zeros(0, dtype=torch.int32), torch.zeros(0, 1, dtype=torch.int32),
                                     1, 1, 8, 8, 1e-5, 1.0)
-
-
-class StepRecorder:
-    """Stands in for torch.ops.pdserve_cpu in a model's CompiledLayers: records each step's
-    (rows, decode rows) and runs the real decoder_layers_."""
-
-    def __init__(self, ops) -> None:
-        self.ops, self.steps = ops, []
-        names = [a.name for a in ops.decoder_layers_.default._schema.arguments]
-        self.num_decode_at = names.index("num_decode")
-
-    def decoder_layers_(self, *args):
-        self.steps.append((args[0].shape[0], args[self.num_decode_at]))
-        return self.ops.decoder_layers_(*args)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
