@@ -124,23 +124,21 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache[self.layer, 0], kv_cache[self.layer, 1]
         self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd, scale = meta.num_decode_tokens, self.scale
-        # Only windowed layers pass a window: a backend without one still runs every other model.
-        win = {"window": self.window} if self.window else {}
         if nd == t:
             out = self.backend.decode_attention(q, k_cache, v_cache, meta.decode_seq_lens, meta.decode_block_tables,
-                                                scale, **win)
+                                                scale, window=self.window)
         elif nd == 0:
             out = self.backend.prefill_attention(
                 q, k, v, k_cache, v_cache, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, meta.prefill_block_tables,
-                scale, **win,
+                scale, window=self.window,
             )
         else:
             out = torch.empty_like(q)
             out[:nd] = self.backend.decode_attention(q[:nd], k_cache, v_cache, meta.decode_seq_lens,
-                                                     meta.decode_block_tables, scale, **win)
+                                                     meta.decode_block_tables, scale, window=self.window)
             out[nd:] = self.backend.prefill_attention(
                 q[nd:], k[nd:], v[nd:], k_cache, v_cache,
-                meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, meta.prefill_block_tables, scale, **win,
+                meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, meta.prefill_block_tables, scale, window=self.window,
             )
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -278,6 +276,15 @@ class LlamaForCausalLM(nn.Module):
         # head's matmul wants the transposed layout (see Linear).
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self._compiled: CompiledLayers | None = None  # once use_compiled_layers() is called
+        self._embed_scales: dict[torch.dtype, float] = {}
+
+    def _embed_scale(self, dtype: torch.dtype) -> float:
+        """config.embed_scale rounded to `dtype` (exact in it: multiplying by it rounds as a tensor
+        of that dtype would), worked out once per dtype."""
+        scale = self._embed_scales.get(dtype)
+        if scale is None:
+            scale = self._embed_scales[dtype] = float(torch.tensor(self.config.embed_scale, dtype=dtype))
+        return scale
 
     @property
     def compiled_layers(self) -> CompiledLayers | None:
@@ -288,8 +295,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T] -> final hidden states [T, H]; writes this step's K/V."""
         x = self.model.embed_tokens(input_ids)
-        if self.config.embed_scale != 1.0:  # Gemma: rounded to the model's dtype first, as transformers does
-            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
+        if self.config.embed_scale != 1.0:  # Gemma: the scale rounded to the model's dtype, as transformers does
+            x.mul_(self._embed_scale(x.dtype))
         c = self._compiled
         if c is not None and (c.prefills or meta.num_decode_tokens == x.shape[0]):
             local = self.model.rotary_local  # only a family's options go before its tables

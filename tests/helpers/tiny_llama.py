@@ -82,6 +82,14 @@ def make_tiny_llama_dir(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
+    write_default_tokenizer(path, max_position_embeddings)
+    return path
+
+
+def write_default_tokenizer(path: Path, max_position_embeddings: int) -> None:
+    """SmolLM2's tokenizer.json and a tokenizer_config.json with its special tokens and chat
+    template, as a Hugging Face directory holds them."""
+    tokenizer = default_tokenizer()
     tokenizer.save(path / "tokenizer.json")
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -94,4 +102,3 @@ def make_tiny_llama_dir(
         "chat_template": tokenizer.chat_template,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    return path

@@ -20,7 +20,7 @@ import torch
 
 from pdserve.model.gguf_loader import open_gguf, read_metadata
 from pdserve.text.model_files import default_gguf_path
-from tests.helpers.tiny_llama import SMOLLM2_VOCAB_SIZE, default_tokenizer
+from tests.helpers.tiny_llama import SMOLLM2_VOCAB_SIZE, default_tokenizer, write_default_tokenizer
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 CHAT_TOKEN_ROOM = 64  # vocabulary rows past SmolLM2's for a chat format's added tokens
@@ -81,18 +81,7 @@ def make_tiny_dir(path: Path, family: str, *, seed: int = 0, chat: str | None = 
     if chat is not None:
         _write_family_tokenizer(path, chat)
         return path
-    tokenizer.backend.save(str(path / "tokenizer.json"))
-    config_json = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": tokenizer.bos_token,
-        "eos_token": tokenizer.eos_token,
-        "unk_token": tokenizer.unk_token,
-        "pad_token": tokenizer.pad_token,
-        "add_bos_token": False,
-        "model_max_length": fields["max_position_embeddings"],
-        "chat_template": tokenizer.chat_template,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    write_default_tokenizer(path, fields["max_position_embeddings"])
     return path
 
 

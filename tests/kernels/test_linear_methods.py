@@ -26,6 +26,7 @@ from pdserve.kernels.linear import (
     PlainLinear,
     TileLinear,
     TileOneDnnLinear,
+    onednn_linear_available,
     select_linear_method,
     use_linear_method,
 )
@@ -36,18 +37,37 @@ ROWS = [1, 3, 8, 33, 400]  # 400 > TILE_MAX_ROWS: tiles+onednn's large steps
 METHODS = {"plain": PlainLinear, "onednn": OneDnnLinear, "panels": PanelLinear, "tiles": TileLinear,
            "tiles+onednn": TileOneDnnLinear}
 DTYPES = [torch.float32, torch.bfloat16]
-# Every method in every dtype it takes (the tiles: bfloat16 only).
+
+
+def runs_here(name: str, dtype: torch.dtype) -> bool:
+    """Whether the method computes `dtype` on this CPU: the tiles bfloat16 only (everywhere the ops
+    load: elsewhere than AMX and AVX512-BF16 through the portable loop, on the same layout), the
+    oneDNN ones what this CPU's oneDNN computes (test_onednn_methods_take_what_onednn_computes)."""
+    cls = METHODS[name]
+    if issubclass(cls, TileLinear) and dtype != torch.bfloat16:
+        return False
+    return not issubclass(cls, (OneDnnLinear, TileOneDnnLinear)) or OneDnnLinear.supports(dtype, CPU, None)
+
+
+# Every method in every dtype it computes here.
 METHOD_DTYPES = [pytest.param(name, dtype, id=f"{name}-{str(dtype)[6:]}") for name in METHODS for dtype in DTYPES
-                 if dtype == torch.bfloat16 or not issubclass(METHODS[name], TileLinear)]
+                 if runs_here(name, dtype)]
+BF16_METHODS = [name for name in METHODS if runs_here(name, torch.bfloat16)]
 
 
 def method_here(name: str, dtype: torch.dtype, ops) -> LinearMethod:
-    """The method, or a skip where it does not run here. The tiles run everywhere the ops load
-    (elsewhere than AMX and AVX512-BF16 through the portable loop, on the same layout)."""
-    cls = METHODS[name]
-    if issubclass(cls, (OneDnnLinear, TileOneDnnLinear)) and not OneDnnLinear.supports(dtype, CPU, None):
-        pytest.skip(f"this CPU's oneDNN does not compute {dtype}")
-    return cls(ops)
+    assert runs_here(name, dtype), f"{name} does not compute {dtype} here: parametrize over runs_here"
+    return METHODS[name](ops)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_onednn_methods_take_what_onednn_computes(dtype):
+    """The oneDNN methods run exactly the dtypes this CPU's oneDNN computes (the cases above leave
+    out the others), and the selection never picks them for another."""
+    can = onednn_linear_available(dtype)
+    assert OneDnnLinear.supports(dtype, CPU, None) == can
+    picked = select_linear_method("onednn", dtype, CPU, None, weights_fit_tiles=False)
+    assert isinstance(picked, OneDnnLinear) == can
 
 
 def layer(method: LinearMethod, dtype: torch.dtype, out_features: int, bias: bool, gate_up_of: int = 0,
@@ -108,7 +128,7 @@ def test_the_bias_is_added_after_the_matmul_in_the_output_dtype(ops, name, dtype
         assert torch.equal(with_bias(x), bare(x) + with_bias.bias)
 
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("name", BF16_METHODS)
 def test_apply_keeps_leading_dimensions(ops, name):
     method = method_here(name, torch.bfloat16, ops)
     lin = layer(method, torch.bfloat16, 96, bias=True)
@@ -142,19 +162,18 @@ def test_act_mul_is_the_eager_formula_and_the_fused_kernels_equal_the_separate_o
         got = method.apply_act_mul(lin, x, intermediate, act)
         with_ops = method.apply_act_mul(lin, x, intermediate, act, elementwise=ops)
     assert got.shape == (rows, intermediate) and got.dtype == dtype
+    tol = {"atol": 2**-7, "rtol": 2**-6} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
     if act == "silu":
-        tol = {"atol": 2**-7, "rtol": 2**-6} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
         torch.testing.assert_close(got, eager, **tol)
         assert torch.equal(with_ops, ops.silu_mul(projected))
     else:
         assert torch.equal(got, eager) and torch.equal(with_ops, ops.gelu_tanh_mul(projected))
-        tol = {"atol": 2**-7, "rtol": 2**-6} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
         torch.testing.assert_close(with_ops, eager, **tol)
 
 
 @pytest.mark.parametrize(
     "name,fused_op,intermediate,act,bias,rows,calls",
-    [
+    [case for case in [
         ("panels", "linear_silu_mul", 96, "silu", False, 5, 1),
         ("panels", "linear_silu_mul", 40, "silu", False, 5, 0),  # halves are not whole panels
         ("panels", "linear_silu_mul", 96, "gelu_tanh", False, 5, 0),
@@ -164,7 +183,7 @@ def test_act_mul_is_the_eager_formula_and_the_fused_kernels_equal_the_separate_o
         ("tiles", "tile_linear_silu_mul", 96, "gelu_tanh", False, 5, 0),
         ("tiles+onednn", "tile_linear_silu_mul", 96, "silu", False, 384, 1),
         ("tiles+onednn", "tile_linear_silu_mul", 96, "silu", False, 385, 0),  # oneDNN's step
-    ],
+    ] if runs_here(case[0], torch.bfloat16)],
 )
 def test_the_fused_act_mul_kernel_runs_where_its_method_can_apply_it(
     ops, monkeypatch, name, fused_op, intermediate, act, bias, rows, calls
@@ -179,7 +198,7 @@ def test_the_fused_act_mul_kernel_runs_where_its_method_can_apply_it(
     assert len(seen) == calls
 
 
-@pytest.mark.parametrize("name", ["tiles", "tiles+onednn"])
+@pytest.mark.parametrize("name", [n for n in ("tiles", "tiles+onednn") if runs_here(n, torch.bfloat16)])
 def test_tile_order_keeps_a_gate_up_projections_columns_in_the_tiles_pairs(ops, name):
     method = method_here(name, torch.bfloat16, ops)
     lin = layer(method, torch.bfloat16, 192, bias=False, gate_up_of=96)
@@ -202,7 +221,8 @@ def test_act_mul_refuses_an_unknown_activation_and_a_projection_of_another_width
 
 @pytest.mark.parametrize(
     "name,compiled_dim,large_dim",
-    [("plain", None, None), ("onednn", 2, None), ("panels", 3, None), ("tiles", 5, None), ("tiles+onednn", 5, 2)],
+    [case for case in [("plain", None, None), ("onednn", 2, None), ("panels", 3, None), ("tiles", 5, None),
+                       ("tiles+onednn", 5, 2)] if runs_here(case[0], torch.bfloat16)],
 )
 def test_the_compiled_layers_read_the_methods_own_copy_which_ops_project_tells_apart_by_rank(
     ops, name, compiled_dim, large_dim

@@ -56,14 +56,21 @@ def post_in_thread(url: str, body: dict, results: dict, key: str) -> threading.T
     return t
 
 
-def test_a_request_over_its_compile_time_stops_its_work_and_others_compile_in_time(router):
-    url = router.base_url + C
+def hold_the_grammar_thread(router, results: dict) -> threading.Thread:
+    """Send a request whose tools compile slowly (results["slow"]) and return once it holds the
+    grammar thread."""
     slow = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
             "tools": [slow_tool(i) for i in range(TOOLS)]}
-    results: dict = {}
-    t_slow = post_in_thread(url, slow, results, "slow")
-    while not router.compiled:  # the slow request holds the grammar thread
+    thread = post_in_thread(router.base_url + C, slow, results, "slow")
+    while not router.compiled:
         time.sleep(0.01)
+    return thread
+
+
+def test_a_request_over_its_compile_time_stops_its_work_and_others_compile_in_time(router):
+    url = router.base_url + C
+    results: dict = {}
+    t_slow = hold_the_grammar_thread(router, results)
     quick = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
              "response_format": {"type": "json_object"}}
     t_quick = post_in_thread(url, quick, results, "quick")
@@ -81,12 +88,8 @@ def test_a_request_over_its_compile_time_stops_its_work_and_others_compile_in_ti
 
 def test_tokenizing_a_big_prompt_does_not_wait_behind_grammars(router):
     url = router.base_url + C
-    slow = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
-            "tools": [slow_tool(i) for i in range(TOOLS)]}
     results: dict = {}
-    t_slow = post_in_thread(url, slow, results, "slow")
-    while not router.compiled:
-        time.sleep(0.01)
+    t_slow = hold_the_grammar_thread(router, results)
     big = {"model": "m", "messages": [{"role": "user", "content": "word " * 4000}], "max_tokens": 5}  # 20 KB: off the loop
     t_big = post_in_thread(url, big, results, "big")
     t_big.join()
