@@ -51,6 +51,8 @@ class EngineConfig:
     cpu_linear: str = "auto"
     fused_ops: bool = True  # RMSNorm, SiLU-mul, rotary (and on the CPU whole layers) compiled
     kv_prefetch: bool = True  # the next layer's KV read ahead under the MLP (tile kernels only)
+    # Every token's arithmetic independent of the step that computes it (engine/runner.py).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -99,6 +101,11 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("fused_ops", "--fused-ops", bool, "RMSNorm, SiLU-mul and rotary compiled (and on the CPU each step's layers in "
                                        "one call); --no-fused-ops runs them in eager PyTorch"),
     ("kv_prefetch", "--kv-prefetch", bool, "read the next layer's KV ahead under the MLP (the CPU tile kernels)"),
+    ("deterministic", "--deterministic", bool, "batch-invariant arithmetic: a token's logits are bit for bit the same "
+                                               "whatever else its step holds and whether a prefill chunk or a decode "
+                                               "step computes it (greedy output independent of load, chunking and "
+                                               "migration); CPU with the compiled kernels only (README, "
+                                               "'Deterministic output')"),
 )
 _DEFAULTS = EngineConfig()
 

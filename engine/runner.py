@@ -73,6 +73,10 @@ class ModelRunner:
         # steps, and steps with prompts where the backend's prefill attention is compiled too.
         if self.fused_elementwise and self.cpu_linear in ("tiles", "pdserve", "onednn"):
             self.model.use_compiled_layers(self.compiled_ops, kv_prefetch=config.kv_prefetch)
+        if config.deterministic and not self.compiled_layers:
+            raise ValueError("--deterministic runs each step's layers in the compiled CPU kernels; they do not "
+                             "run here (--cpu-kernels off, --no-fused-ops, another device, or a dtype or "
+                             "activation they lack)")
         m = model_config
         shape = (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         self.kv_cache = (
@@ -114,7 +118,8 @@ class ModelRunner:
         --cpu-linear name of what runs: tiles, pdserve, onednn or mkl."""
         ops = self.compiled_ops
         method = select_linear_method(self.config.cpu_linear, self.dtype, self.device, ops,
-                                      weights_fit_tiles=linears_fit_tiles(self.model))
+                                      weights_fit_tiles=linears_fit_tiles(self.model),
+                                      batch_invariant=self.config.deterministic)
         use_linear_method(self.model, method)
         return method.cpu_linear
 
@@ -139,6 +144,10 @@ class ModelRunner:
         seq_lens, cu, sample_rows = array("i"), array("i", [0]), array("q")
         tables: list[list[int]] = []
         samplers: list[Request] = []
+        # --deterministic: every token attends as a decode does, one row against its own prefix
+        # through the decode kernel, so its attention is the same arithmetic in a prefill chunk as
+        # in a decode step (the compiled layers and the batch-invariant projections do the rest).
+        as_decodes = self.config.deterministic
         for req, n in ordered:
             start = req.num_computed_tokens
             end = start + n
@@ -151,13 +160,18 @@ class ModelRunner:
                 input_ids.extend(req.token_ids[start:end])
                 positions.extend(range(start, end))
                 slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-                cu.append(cu[-1] + n)
-            seq_lens.append(end)
-            tables.append(blocks)
+                if as_decodes:
+                    seq_lens.extend(range(start + 1, end + 1))
+                    tables.extend([blocks] * n)
+                else:
+                    cu.append(cu[-1] + n)
+            if n == 1 or not as_decodes:
+                seq_lens.append(end)
+                tables.append(blocks)
             if end == req.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 samplers.append(req)
-        nd = len(decodes)
+        nd = len(input_ids) if as_decodes else len(decodes)
         width = max(len(t) for t in tables)
         flat = array("i")
         for t in tables:  # each row padded with block 0 (never read past the sequence's length)

@@ -335,7 +335,8 @@ def linears_fit_tiles(model: nn.Module) -> bool:
 
 
 def select_linear_method(choice: str, dtype: torch.dtype, device: torch.device, ops: object | None,
-                         weights_fit_tiles: bool, flags: Set[str] | None = None) -> LinearMethod:
+                         weights_fit_tiles: bool, flags: Set[str] | None = None,
+                         batch_invariant: bool = False) -> LinearMethod:
     """The method a model's Linears run, for --cpu-linear's `choice` (off the CPU: plain). `auto`
     takes the tiles for bfloat16 where they run natively, on AMX or AVX512-BF16, and every
     weight fits them (they read decode steps' weights faster than oneDNN); else oneDNN on CPUs with
@@ -343,12 +344,15 @@ def select_linear_method(choice: str, dtype: torch.dtype, device: torch.device, 
     computes it; the panels elsewhere (AVX2) where the compiled ops loaded. A choice this machine
     cannot run falls back in that order, to plain last. `flags`: the CPU's (/proc/cpuinfo), this
     one's by default. `python -m pdserve.bench.engine_overhead --cpu-linear <choice>` measures
-    each against the default (docs/cpu_kernels.md, "Projections")."""
+    each against the default (docs/cpu_kernels.md, "Projections"). `batch_invariant`: only a
+    method whose every output row is the same whatever the other rows (batch_invariant_method)."""
     if choice not in CHOICES:
         raise ValueError(f"--cpu-linear must be one of {', '.join(CHOICES)}, got {choice!r}")
+    tiles = device.type == "cpu" and TileLinear.supports(dtype, device, ops) and weights_fit_tiles
+    if batch_invariant:
+        return batch_invariant_method(choice, dtype, device, ops, tiles)
     if device.type != "cpu":
         return PLAIN
-    tiles = TileLinear.supports(dtype, device, ops) and weights_fit_tiles
     onednn = OneDnnLinear.supports(dtype, device, ops)
     if choice == "auto":
         avx512 = "avx512f" in (cpu_flags() if flags is None else flags)
@@ -366,6 +370,28 @@ def select_linear_method(choice: str, dtype: torch.dtype, device: torch.device, 
     if choice in ("pdserve", "onednn") and onednn:
         return OneDnnLinear()
     return PLAIN
+
+
+def batch_invariant_method(choice: str, dtype: torch.dtype, device: torch.device, ops: object | None,
+                           tiles: bool) -> LinearMethod:
+    """A method whose output row i depends on row i of x alone, bit for bit, at every row count:
+    the tiles (one kernel at every size: no oneDNN copy above TILE_MAX_ROWS) or the panels, each of
+    which sums a row's products over K in one fixed order whatever the rows beside it (oneDNN, MKL
+    and cuBLAS pick their kernels and splits of K by the matrix's shape). `tiles`: whether the tile
+    kernel runs here natively. ValueError where neither can run or `choice` names another."""
+    if choice in ("onednn", "mkl"):
+        raise ValueError(f"--deterministic needs projections whose rows do not depend on the batch: "
+                         f"--cpu-linear tiles or pdserve, not {choice}")
+    if tiles and choice in ("auto", "tiles", "amx"):
+        log.info("CPU linears: bfloat16 tiles on %s at every step size (--deterministic)", tile_kernel(ops))
+        return TileLinear(ops)
+    if device.type == "cpu" and PanelLinear.supports(dtype, device, ops):
+        if choice in ("tiles", "amx"):
+            log.warning("--cpu-linear=%s: the tile kernel cannot run natively here (%s); the panels run instead",
+                        choice, tile_kernel(ops))
+        return PanelLinear(ops)
+    raise ValueError("--deterministic needs the compiled CPU kernels (the tiles or the panels); "
+                     f"none runs {dtype} on {device} here")
 
 
 def use_linear_method(model: nn.Module, method: LinearMethod) -> int:

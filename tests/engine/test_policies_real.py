@@ -8,14 +8,12 @@ CPU float32; the weights are read once per session (`smollm2`); each LLM here is
 
 from __future__ import annotations
 
-import itertools
-from collections import defaultdict
-
 import pytest
 
 from pdserve.config.names import COLOCATED_POLICIES
 from pdserve.engine.llm import LLM
 from pdserve.protocol.sampling import SamplingParams
+from tests.helpers.engine_runs import generate_joining
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +42,6 @@ TEXTS = [
     "A long list of fruits: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon, mango,",
     "Q: Why is the sky blue?\nA:",
 ]
-_ids = itertools.count()
 
 
 def _llm(smollm2, policy: str, **kw) -> LLM:
@@ -58,30 +55,6 @@ def _llm(smollm2, policy: str, **kw) -> LLM:
         max_num_batched_tokens=CHUNK_BUDGET,
         **kw,
     )
-
-
-def generate_joining(
-    llm: LLM, prompts: list[list[int]], first: int, every: int = 2
-) -> list[list[int]]:
-    """Drive the engine step by step: `first` prompts arrive together, then one joins every
-    `every` steps, so later prompts land while earlier ones decode. Deterministic in steps."""
-    eng = llm.engine
-    ids = [f"join-{next(_ids)}" for _ in prompts]
-    tokens: dict[str, list[int]] = defaultdict(list)
-    pending = list(zip(ids, prompts, strict=True))
-    for rid, p in pending[:first]:
-        eng.add_request(rid, p, GREEDY)
-    pending = pending[first:]
-    for step in range(10_000):
-        if pending and step % every == 0:
-            rid, p = pending.pop(0)
-            eng.add_request(rid, p, GREEDY)
-        if not eng.has_unfinished():
-            break
-        for out in eng.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-    assert not eng.has_unfinished(), "the engine did not drain"
-    return [tokens[rid] for rid in ids]
 
 
 def _mismatches(prompts, got, want) -> list[str]:
@@ -125,7 +98,7 @@ def _longest(prompts: list[list[int]]) -> list[int]:
 def test_greedy_tokens_alone_equal_tokens_among_sixteen_others(plain, prompts, alone, policy):
     llm = plain[policy]
     seen = len(llm.engine.counters.recent_steps)
-    together = generate_joining(llm, prompts, first=9)
+    together = generate_joining(llm, prompts, GREEDY, first=9)
     steps = list(llm.engine.counters.recent_steps)[seen:]
     last_prefill = max(i for i, s in enumerate(steps) if s.num_prefill_tokens)
     assert any(s.num_decode_tokens for s in steps[:last_prefill]), (

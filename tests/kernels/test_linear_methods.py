@@ -351,3 +351,56 @@ def test_select_refuses_an_unknown_choice_by_name():
 def test_the_methods_of_the_compiled_kernels_refuse_to_be_made_without_the_ops(cls):
     with pytest.raises(ValueError, match="compiled CPU ops"):
         cls(None)
+
+
+# --deterministic's methods (batch_invariant_method): every row the same bit for bit at any row count.
+INVARIANT = [pytest.param(name, dtype, id=f"{name}-{str(dtype)[6:]}") for name, dtype in
+             [("panels", F32), ("panels", BF16), ("tiles", BF16)] if runs_here(name, dtype)]
+
+
+@pytest.mark.parametrize("k", [64, 576, 1536])  # at 576 and 1,536 oneDNN's rows depend on the row count
+@pytest.mark.parametrize("name,dtype", INVARIANT)
+def test_the_batch_invariant_methods_give_each_row_what_it_gets_alone(ops, name, dtype, k):
+    torch.manual_seed(k)
+    lin = Linear(k, 100, bias=True)  # 100 columns: a partial panel and a partial tile group
+    with torch.no_grad():
+        torch.nn.init.normal_(lin.weight, std=k**-0.5)
+        torch.nn.init.normal_(lin.bias)
+    lin.to(dtype)
+    use_linear_method(torch.nn.ModuleList([lin]), METHODS[name](ops))
+    x = torch.randn(450, k).to(dtype)  # more rows than TILE_MAX_ROWS
+    with torch.inference_mode():
+        alone = torch.cat([lin(x[i:i + 1]) for i in range(x.shape[0])])
+        for rows in (1, 2, 3, 5, 8, 9, 17, 33, 100, 385, 450):
+            assert torch.equal(lin(x[:rows]), alone[:rows]), f"{rows} rows"
+
+
+@pytest.mark.parametrize(
+    "choice,dtype,kernel,expected",
+    [
+        ("auto", BF16, "avx512_bf16", TileLinear),  # the tiles alone: no oneDNN copy above TILE_MAX_ROWS
+        ("tiles", BF16, "amx", TileLinear),
+        ("auto", BF16, "portable", PanelLinear),  # no native tiles (AVX2): the panels, in bfloat16 too
+        ("tiles", BF16, "portable", PanelLinear),
+        ("auto", F32, "amx", PanelLinear),
+        ("pdserve", BF16, "amx", PanelLinear),
+    ],
+)
+def test_deterministic_selection_takes_the_tiles_alone_or_the_panels(monkeypatch, choice, dtype, kernel, expected):
+    monkeypatch.setattr(linear_module, "onednn_linear_available", lambda d: True)
+    method = select_linear_method(choice, dtype, CPU, fake_ops(kernel), weights_fit_tiles=True, flags=AVX512,
+                                  batch_invariant=True)
+    assert type(method) is expected
+
+
+@pytest.mark.parametrize("choice", ["onednn", "mkl"])
+def test_deterministic_selection_refuses_a_method_whose_rows_depend_on_the_batch(choice):
+    with pytest.raises(ValueError, match=f"--deterministic.*not {choice}"):
+        select_linear_method(choice, BF16, CPU, fake_ops("amx"), weights_fit_tiles=True, batch_invariant=True)
+
+
+@pytest.mark.parametrize("device,ops", [("cuda", "amx"), ("cpu", None)])
+def test_deterministic_selection_refuses_where_no_compiled_kernel_runs(device, ops):
+    with pytest.raises(ValueError, match="--deterministic needs the compiled CPU kernels"):
+        select_linear_method("auto", BF16, torch.device(device), None if ops is None else fake_ops(ops),
+                             weights_fit_tiles=True, batch_invariant=True)
