@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
         return gemm, bandwidth, one_thread
 
     print(f"model {loaded.name}, {str(dtype).removeprefix('torch.')}, attention {engine.runner.backend.name}, "
-          f"linears {engine.runner.cpu_linear}, "
+          f"linears {engine.runner.cpu_linear}, deterministic {'on' if engine.runner.deterministic else 'off'}, "
           f"{args.threads} thread(s), median of {args.repeats}, CPU {cpu_name()}")
     print("machine: GEMM rate and memory read measured before and after each case, the better of the two")
     print(f"{'case':<22}{'engine ms':>10}{'matmuls ms':>11}{'ratio':>6}{'tokens/s':>9}{'GFLOP/s':>8}{'GB/s':>6}"

@@ -51,8 +51,9 @@ class EngineConfig:
     cpu_linear: str = "auto"
     fused_ops: bool = True  # RMSNorm, SiLU-mul, rotary (and on the CPU whole layers) compiled
     kv_prefetch: bool = True  # the next layer's KV read ahead under the MLP (tile kernels only)
-    # Every token's arithmetic independent of the step that computes it (engine/runner.py).
-    deterministic: bool = False
+    # Every token's arithmetic independent of the step that computes it (engine/runner.py); None:
+    # where it costs little (bfloat16 on the CPU tiles), ModelRunner.deterministic says what holds.
+    deterministic: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -104,8 +105,9 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("deterministic", "--deterministic", bool, "batch-invariant arithmetic: a token's logits are bit for bit the same "
                                                "whatever else its step holds and whether a prefill chunk or a decode "
                                                "step computes it (greedy output independent of load, chunking and "
-                                               "migration); CPU with the compiled kernels only (README, "
-                                               "'Deterministic output')"),
+                                               "migration); CPU with the compiled kernels only. Unset: on for "
+                                               "bfloat16 where the tile kernels run (AMX, AVX512-BF16), off elsewhere "
+                                               "(README, 'Deterministic output')"),
 )
 _DEFAULTS = EngineConfig()
 
@@ -118,7 +120,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help_ = f"{help_} [env {twin_of(flag)}]"
         if kind is bool:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_,
-                           default=flag_default(flag[2:], default))
+                           default=flag_default(flag[2:], default, bool))
             continue
         choices = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "cpu_kernels": CPU_KERNELS,
                    "cpu_linear": CPU_LINEARS}.get(field)

@@ -139,10 +139,10 @@ class Engine:
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
         self._compiles: dict[str, tuple[Future[GrammarMatcher], list[int]]] = {}  # id -> (matcher, tokens so far)
         self._saves: list[KVSave] = []
-        log.info("engine up: policy=%s connector=%s model=%s blocks=%d x %d device=%s dtype=%s linears=%s",
-                 policy.name, type(self.connector.scheduler).__name__, self.model_name, num_blocks,
-                 config.block_size, config.device, str(self.runner.dtype).removeprefix("torch."),
-                 self.runner.cpu_linear)
+        log.info("engine up: policy=%s connector=%s model=%s blocks=%d x %d device=%s dtype=%s linears=%s "
+                 "deterministic=%s", policy.name, type(self.connector.scheduler).__name__, self.model_name,
+                 num_blocks, config.block_size, config.device, str(self.runner.dtype).removeprefix("torch."),
+                 self.runner.cpu_linear, self.runner.deterministic)
 
     # --- requests in -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,

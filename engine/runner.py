@@ -20,6 +20,7 @@ from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.engine.scheduler import ScheduledRequest
 from pdserve.kernels.backends import get_backend
 from pdserve.kernels.cpu_backend import COMPILED_DTYPES, CpuBackend
+from pdserve.kernels.cpu_linear import tiles_run
 from pdserve.kernels.huge_pages import fault_in_background, zeros_on_huge_pages
 from pdserve.kernels.linear import (
     linears_fit_tiles,
@@ -64,6 +65,7 @@ class ModelRunner:
         self.compiled_ops = (
             self.backend.ops if isinstance(self.backend, CpuBackend) and self.dtype in COMPILED_DTYPES else None
         )
+        self.deterministic = self._deterministic()
         self.cpu_linear = self._pack_cpu_linears() if self.device.type == "cpu" else "none"
         fused_ops = self._fused_elementwise_ops()
         self.fused_elementwise = fused_ops is not None
@@ -73,7 +75,7 @@ class ModelRunner:
         # steps, and steps with prompts where the backend's prefill attention is compiled too.
         if self.fused_elementwise and self.cpu_linear in ("tiles", "pdserve", "onednn"):
             self.model.use_compiled_layers(self.compiled_ops, kv_prefetch=config.kv_prefetch)
-        if config.deterministic and not self.compiled_layers:
+        if self.deterministic and not self.compiled_layers:
             raise ValueError("--deterministic runs each step's layers in the compiled CPU kernels; they do not "
                              "run here (--cpu-kernels off, --no-fused-ops, another device, or a dtype or "
                              "activation they lack)")
@@ -86,6 +88,20 @@ class ModelRunner:
         # Its pages fault in on a background thread, lowest blocks first (None: nothing to do).
         self.kv_fault_in = fault_in_background(self.kv_cache) if self.device.type == "cpu" else None
         self.sampler = Sampler(ops=self.compiled_ops)
+
+    def _deterministic(self) -> bool:
+        """--deterministic resolved: on where asked (the checks after packing refuse what cannot
+        hold), off where refused, and unset, on where it costs little: bfloat16 on the tile kernels,
+        whose decode steps it leaves as they were and whose long prompts it slows by a few per cent
+        (python -m pdserve.bench.engine_overhead --deterministic against --no-deterministic;
+        docs/cpu_kernels.md "Batch invariance"). Off for float32 (its prompts' attention through
+        the decode kernel costs more) and wherever the compiled layers do not run every step."""
+        asked = self.config.deterministic
+        if asked is not None:
+            return asked
+        return (self.compiled_ops is not None and self.dtype == torch.bfloat16 and self.config.fused_ops
+                and self.config.cpu_linear in ("auto", "tiles", "amx") and tiles_run(self.compiled_ops)
+                and linears_fit_tiles(self.model) and self.model.compiles_layers)
 
     def _fused_elementwise_ops(self) -> object | None:
         """What runs RMSNorm, SiLU-mul and rotary: the compiled CPU ops, which ship with the
@@ -119,7 +135,7 @@ class ModelRunner:
         ops = self.compiled_ops
         method = select_linear_method(self.config.cpu_linear, self.dtype, self.device, ops,
                                       weights_fit_tiles=linears_fit_tiles(self.model),
-                                      batch_invariant=self.config.deterministic)
+                                      batch_invariant=self.deterministic)
         use_linear_method(self.model, method)
         return method.cpu_linear
 
@@ -147,7 +163,7 @@ class ModelRunner:
         # --deterministic: every token attends as a decode does, one row against its own prefix
         # through the decode kernel, so its attention is the same arithmetic in a prefill chunk as
         # in a decode step (the compiled layers and the batch-invariant projections do the rest).
-        as_decodes = self.config.deterministic
+        as_decodes = self.deterministic
         for req, n in ordered:
             start = req.num_computed_tokens
             end = start + n

@@ -103,6 +103,22 @@ inline void row_offsets(const int32_t* blocks, int64_t h, int64_t start, int64_t
   }
 }
 
+// rows[pos - start] for positions from .. end - 1, rows already holding start .. from - 1.
+inline void row_offsets_from(const int32_t* blocks, int64_t h, int64_t start, int64_t from, int64_t end,
+                             const Geometry& geo, std::vector<int64_t>& rows) {
+  rows.resize(end - start);
+  for (int64_t pos = from; pos < end; ++pos)
+    rows[pos - start] = blocks[pos / geo.block_size] * geo.c_sn + h * geo.c_sh + (pos % geo.block_size) * geo.c_ss;
+}
+
+// Whether block table rows a and b hold the same blocks for a sequence's first `len` positions
+// (false where a is null or len is 0).
+inline bool shares_blocks(const int32_t* a, const int32_t* b, int64_t len, int64_t block_size) {
+  if (a == nullptr || len <= 0) return false;
+  const int64_t blocks = (len + block_size - 1) / block_size;
+  return a == b || std::equal(a, a + blocks, b);
+}
+
 // scores[g * ctx + pos] = qf[g] . k[pos] for the G query heads of one KV head. G is a template
 // parameter so the G accumulators of two positions at a time stay in registers (2G independent
 // FMA chains); each key row is loaded once for the whole group. Needs d % 8 == 0. `ld` is the
@@ -283,10 +299,10 @@ Dots wide_dots(const Geometry& geo) {
 template <typename T>
 void attend_wide(Dots dots, const T* q_raw, const float* qf, const T* kp, const T* vp, const int64_t* rows,
                  int64_t ctx, int64_t heads, const Geometry& geo, float scale, float* scores, float* out, T* tiles,
-                 pdserve_cpu::PrefetchCursor& next) {
+                 pdserve_cpu::PrefetchCursor& next, bool resident) {
 #if defined(__AVX512F__)
   const auto scores_with = [&](auto g, const auto& dot, float s) {
-    avx512::scores<decltype(g)::value>(dot, kp, vp, rows, ctx, heads, s, scores);
+    avx512::scores<decltype(g)::value>(dot, kp, vp, rows, ctx, heads, s, scores, !resident);
   };
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
 #if defined(PDSERVE_AMX)
@@ -300,10 +316,10 @@ void attend_wide(Dots dots, const T* q_raw, const float* qf, const T* kp, const 
         constexpr int G = decltype(g)::value;
         // The query operands in registers: G x D / 16 of them, at most 16.
         if constexpr (G <= 4) {
-          if (geo.d == 64) return avx512::scores_pairs<G, 64>(q_raw, kp, vp, rows, ctx, heads, scale, scores);
+          if (geo.d == 64) return avx512::scores_pairs<G, 64>(q_raw, kp, vp, rows, ctx, heads, scale, scores, !resident);
         }
         if constexpr (G <= 2) {
-          if (geo.d == 128) return avx512::scores_pairs<G, 128>(q_raw, kp, vp, rows, ctx, heads, scale, scores);
+          if (geo.d == 128) return avx512::scores_pairs<G, 128>(q_raw, kp, vp, rows, ctx, heads, scale, scores, !resident);
         }
         scores_with(g, avx512::Bf16Dot<G>{q_raw, geo.d}, scale);
       });
@@ -334,7 +350,7 @@ void attend_wide(Dots dots, const T* q_raw, const float* qf, const T* kp, const 
   });
 #else
   (void)dots, (void)q_raw, (void)qf, (void)kp, (void)vp, (void)rows, (void)ctx, (void)heads, (void)geo, (void)scale;
-  (void)scores, (void)out, (void)tiles, (void)next;
+  (void)scores, (void)out, (void)tiles, (void)next, (void)resident;
 #endif
 }
 
@@ -383,6 +399,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     at::Tensor tiles;
     T* tile_scratch_at = nullptr;
     std::vector<int64_t> rows, next_blocks;
+    // What `rows` holds: KV head rows_head's positions rows_start .. rows_start + rows.size() - 1
+    // of the sequence whose block table row is rows_table (null: nothing yet).
+    const int32_t* rows_table = nullptr;
+    int64_t rows_head = -1, rows_start = -1;
   };
   const auto scratch = [&] {
     const int64_t width = heads * group * d;
@@ -415,19 +435,33 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       }
     }
     s.scores.resize(heads * group * ctx);
-    row_offsets(table + b * t_sb, h0, start, start + ctx, geo, s.rows);
+    const int32_t* own = table + b * t_sb;
+    const bool resident = shares_blocks(
+        s.rows_table, own, s.rows_start == start && s.rows_head == h0 ? start + static_cast<int64_t>(s.rows.size()) : 0,
+        geo.block_size);
+    if (resident) {
+      // The previous item's positions are a prefix of these (a prompt's rows, each its own
+      // sequence under --deterministic): only the new ones.
+      row_offsets_from(own, h0, start, start + static_cast<int64_t>(s.rows.size()), start + ctx, geo, s.rows);
+    } else {
+      row_offsets(own, h0, start, start + ctx, geo, s.rows);
+    }
+    s.rows_table = own, s.rows_head = h0, s.rows_start = start;
     if (wide) {
-      // The keys of this thread's next item (a whole sequence: the wide path), block by block.
+      // The keys of this thread's next item (a whole sequence: the wide path), block by block;
+      // none where they are this item's own (a prompt's next row): the scores pass brought them in.
       s.next_blocks.clear();
       const int64_t nb = after >= 0 ? after / per_seq : -1;
-      for (int64_t j = nb >= 0 ? window_start(lens[nb], window) / geo.block_size : 0;
-           nb >= 0 && j * geo.block_size < lens[nb]; ++j)
+      const bool next_resident = nb >= 0 && lens[nb] <= lens[b] + 1 && window_start(lens[nb], window) >= start &&
+                                 shares_blocks(own, table + nb * t_sb, lens[nb], geo.block_size);
+      for (int64_t j = nb >= 0 && !next_resident ? window_start(lens[nb], window) / geo.block_size : 0;
+           nb >= 0 && !next_resident && j * geo.block_size < lens[nb]; ++j)
         s.next_blocks.push_back(table[nb * t_sb + j] * geo.c_sn * static_cast<int64_t>(sizeof(T)));
       const pdserve_cpu::BackgroundPrefetch next_keys{reinterpret_cast<const char*>(kp), s.next_blocks.data(),
                                                       static_cast<int64_t>(s.next_blocks.size()), block_lines};
       pdserve_cpu::PrefetchCursor next(next_keys, 0, next_keys.lines());
       attend_wide(dots, s.q_raw.data(), s.qf.data(), kp, vp, s.rows.data(), ctx, heads, geo, fscale, s.scores.data(),
-                  s.acc.data(), s.tile_scratch_at, next);
+                  s.acc.data(), s.tile_scratch_at, next, resident);
     } else {
       scores_dispatch(s.qf.data(), kp, s.rows.data(), ctx, geo, s.scores.data());
       for (int64_t g = 0; g < group; ++g) softmax(s.scores.data() + g * ctx, ctx);

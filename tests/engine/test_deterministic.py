@@ -108,3 +108,24 @@ def test_a_stream_continued_from_its_tokens_equals_its_undisturbed_run(model, pr
 def test_deterministic_refuses_to_start_where_it_could_not_hold(tiny, kw, message):
     with pytest.raises(ValueError, match=message):
         LLM(loaded=tiny, dtype="bfloat16", deterministic=True, max_model_len=128, num_kv_blocks=16, **kw)
+
+
+@pytest.mark.parametrize("kw,expected", [
+    ({"dtype": "float32"}, False),  # its prompts' attention through the decode kernel costs more
+    ({"dtype": "bfloat16", "deterministic": False}, False),
+    ({"dtype": "bfloat16", "attention_backend": "reference"}, False),  # no compiled layers: not an error
+    ({"dtype": "bfloat16", "cpu_linear": "onednn"}, False),
+    ({"dtype": "float32", "deterministic": True}, True),
+])
+def test_unset_it_is_on_for_bfloat16_on_native_tiles_and_off_elsewhere(model, kw, expected):
+    llm = LLM(loaded=model, max_model_len=128, num_kv_blocks=16, **kw)
+    assert llm.engine.runner.deterministic is expected
+    if expected:
+        assert llm.engine.runner.cpu_linear in ("tiles", "pdserve")
+
+
+def test_unset_it_is_on_for_bfloat16_exactly_where_the_tiles_run_natively(model):
+    from pdserve.kernels.cpu_linear import tiles_run
+
+    runner = LLM(loaded=model, dtype="bfloat16", max_model_len=128, num_kv_blocks=16).engine.runner
+    assert runner.deterministic is tiles_run(runner.compiled_ops)

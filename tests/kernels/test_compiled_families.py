@@ -39,13 +39,13 @@ def family_model(request, tmp_path_factory):
     return family, load_model(str(make_tiny_dir(tmp_path_factory.mktemp(family), family, **shape)))
 
 
-def lockstep(loaded, dtype: str, block_size: int):
+def lockstep(loaded, dtype: str, block_size: int, deterministic: bool = False):
     """Two engines fed the same prompts with a 16-token budget (prompts come in chunks over their
     cached prefix, decodes mix with chunks), then a second wave that shares a cached prefix with
     the first: one runs its steps through decoder_layers_, the other through the PyTorch layers.
     Returns the engines, each one's greedy tokens, and the compiled engine's recorded steps."""
     config = EngineConfig(model="tiny", num_kv_blocks=256 // block_size * 4, dtype=dtype, block_size=block_size,
-                          max_num_batched_tokens=16)
+                          max_num_batched_tokens=16, deterministic=deterministic)
     engines = [Engine(config, loaded=loaded) for _ in range(2)]
     for engine in engines:  # the runner keeps both rotary tables in float32
         local = engine.runner.model.model.rotary_local
@@ -64,18 +64,23 @@ def lockstep(loaded, dtype: str, block_size: int):
     return engines, outs, recorder.steps, compiled
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compiled_layers_give_the_pytorch_layers_tokens_and_cache(family_model, dtype, block_size):
+def test_compiled_layers_give_the_pytorch_layers_tokens_and_cache(family_model, dtype, block_size, deterministic):
+    """Deterministic, every row of every step is a decode row (prompt rows too), on both sides."""
     family, loaded = family_model
-    engines, outs, steps, compiled = lockstep(loaded, dtype, block_size)
+    engines, outs, steps, compiled = lockstep(loaded, dtype, block_size, deterministic)
     assert outs[0] == outs[1]
     tol = {"atol": 0, "rtol": 0}
     if family == "gemma3":  # GeGLU: eager torch on one side (see the module's docstring)
         tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == "float32" else {"atol": 2 ** -6, "rtol": 2 ** -7}
     torch.testing.assert_close(engines[0].runner.kv_cache, engines[1].runner.kv_cache, **tol)
     assert any(nd == rows for rows, nd in steps), "decode-only steps"
-    if compiled.prefills:
+    if deterministic:
+        assert all(nd == rows for rows, nd in steps) and any(rows > 3 for rows, _ in steps), "prompt rows as decodes"
+        assert engines[0].scheduler.pool.cache_hits > 0, "the second wave starts from a cached prefix"
+    elif compiled.prefills:
         assert any(nd == 0 for _, nd in steps), "prompt-only steps"
         assert any(0 < nd < rows for rows, nd in steps), "steps that mix decodes and prompt chunks"
         assert engines[0].scheduler.pool.cache_hits > 0, "the second wave starts from a cached prefix"
@@ -86,7 +91,8 @@ def test_a_long_prompt_runs_the_large_step_packing_as_the_pytorch_layers_do(fami
     oneDNN's packing (unpaired gate/up columns, the bias added after it too); decodes read the
     tiles."""
     family, loaded = family_model
-    config = EngineConfig(model="tiny", num_kv_blocks=64, dtype="bfloat16", max_num_batched_tokens=512)
+    config = EngineConfig(model="tiny", num_kv_blocks=64, dtype="bfloat16", max_num_batched_tokens=512,
+                          deterministic=False)
     engines = [Engine(config, loaded=loaded) for _ in range(2)]
     for engine in engines:  # the runner keeps both rotary tables in float32
         local = engine.runner.model.model.rotary_local

@@ -82,6 +82,40 @@ def test_a_sequence_gives_the_same_bits_alone_or_in_a_batch_on_one_or_two_thread
     torch.testing.assert_close(batch.double(), oracle(case).to(batch.dtype).double(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("block_size", [7, 16])
+def test_a_prompts_rows_attending_as_decodes_give_each_row_its_bits_alone(backend, dtype, group, head_dim, block_size):
+    """--deterministic's prompt rows: row t of a prompt is a sequence of length t + 1 over the
+    prompt's block table, and consecutive rows share their keys (the kernel reuses the previous
+    row's offsets and skips the prefetches of what it just read). Each row gets the bits it gets
+    as a lone decode, on either thread count, and attention within the dtype's rounding."""
+    case = decode_case([70], group=group, head_dim=head_dim, block_size=block_size, num_kv_heads=2, dtype=dtype,
+                       seed=head_dim + group)
+    rows = 70
+    q = torch.randn(rows, 2 * group, head_dim).to(dtype)
+    table = case.block_tables[:1].expand(rows, -1).contiguous()
+    lens = torch.arange(1, rows + 1, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = backend.decode_attention(q, case.k_cache, case.v_cache, lens, table, case.scale)
+        torch.set_num_threads(1)
+        alone = torch.cat([backend.decode_attention(q[t:t + 1], case.k_cache, case.v_cache, lens[t:t + 1],
+                                                    table[t:t + 1], case.scale) for t in range(rows)])
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(together, alone, atol=0, rtol=0)
+    k = case.k_cache[table[0].long()].flatten(0, 1)[:rows].double()  # [rows, Hkv, D]
+    v = case.v_cache[table[0].long()].flatten(0, 1)[:rows].double()
+    scores = torch.einsum("thd,shd->hts", q.double(), k.repeat_interleave(group, dim=1)) * case.scale
+    scores = scores.masked_fill(torch.ones(rows, rows, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.einsum("hts,shd->thd", scores.softmax(-1), v.repeat_interleave(group, dim=1))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(together.double(), want.to(dtype).double(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("group", [1, 3, 8, 9])
 @pytest.mark.parametrize("head_dim", [16, 64, 12])  # widened to float32 / vdpbf16ps / 8-wide, on AVX-512
 def test_bfloat16_matches_the_reference_within_its_precision(backend, group, head_dim):
@@ -471,7 +505,8 @@ def test_compiled_layers_run_prompts_chunks_prefixes_and_mixed_steps_as_the_pyto
     from tests.helpers.tiny_llama import make_tiny_llama_dir
 
     loaded = load_model(str(make_tiny_llama_dir(tmp_path / "tiny32", hidden_size=128)))  # head size 32
-    config = EngineConfig(model="tiny", num_kv_blocks=64, dtype=dtype, max_num_batched_tokens=16)
+    # Not deterministic: that runs every row as a decode (tests/engine/test_deterministic.py).
+    config = EngineConfig(model="tiny", num_kv_blocks=64, dtype=dtype, max_num_batched_tokens=16, deterministic=False)
     engines = [Engine(config, loaded=loaded) for _ in range(2)]
     model = engines[0].runner.model
     compiled = model.compiled_layers
