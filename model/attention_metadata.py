@@ -3,6 +3,8 @@
 The model runner packs a step as   [ decode tokens (1 per sequence) | prefill tokens (chunks) ]
                                      0 ........... num_decode_tokens-1 | num_decode_tokens ... T-1
 so that every layer can call one decode kernel and one prefill kernel on two contiguous slices.
+A deterministic engine (ModelRunner.deterministic) has no prefill part: each prompt row is a
+decode of its own, over its sequence's block table with length position + 1.
 """
 
 from __future__ import annotations
