@@ -29,6 +29,13 @@ holds a good part of the weights (as repeated decode steps leave them on a CPU w
 a small-batch decode step can come close to or beat its roofline: the bandwidth is that of a
 tensor larger than the caches.
 
+After the steps, W1 offline (`--w1 N`, 64 by default): N prompts of 256 tokens with 64 output
+tokens each, all added at once and run to the last token through the engine's scheduling (the
+engine's policy, a 1,024-token budget), against W1's roofline: every prompt's FLOPs over the GEMM
+rate, plus one decode step of the whole batch per output token after the first, each the larger
+of its bytes over the bandwidth and its FLOPs over the GEMM rate. It has no HTTP and no router:
+`bash bench/results.sh`'s saturation stage measures the served W1 against the peers.
+
 "1T GB/s" is the same sum on one thread, for reading the bandwidth column: where the host lets
 each core stream at its own limit, the threads together read about that times the thread count,
 and every part of a step that runs on one thread (the engine's Python, the sampler, a lone
@@ -177,6 +184,41 @@ def prefill_time(engine: Engine, tokens: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Burst:
+    """W1 offline: `requests` prompts of `prompt` tokens, `output` tokens each, all at once."""
+
+    requests: int = 64
+    prompt: int = 256
+    output: int = 64
+
+
+def burst_time(engine: Engine, burst: Burst) -> float:
+    """Seconds from adding every request of the burst to the last one's last token, through the
+    engine's own scheduling (policy and token budget as configured)."""
+    params = SamplingParams(temperature=0.0, max_tokens=burst.output, ignore_eos=True)
+    t = time.perf_counter()
+    for i in range(burst.requests):
+        engine.add_request(f"w1-{i}", [1 + (i * 31 + j) % 5000 for j in range(burst.prompt)], params)
+    while engine.scheduler.running or engine.scheduler.waiting:
+        engine.step()
+    return time.perf_counter() - t
+
+
+def burst_roofline(engine: Engine, burst: Burst, gemm: float, bandwidth: float) -> tuple[float, float]:
+    """(prefill, decode) seconds of the burst at the machine's limits: every prompt's FLOPs over
+    the GEMM rate, then its output tokens after the first as decode steps of the whole batch (the
+    context growing a token a step), each the larger of its bytes over the bandwidth and its
+    FLOPs over the GEMM rate."""
+    flops, _ = step_cost(engine, burst.prompt, 1, 0, decode=False)
+    prefill = burst.requests * flops / gemm
+    decode = 0.0
+    for k in range(1, burst.output):
+        flops, nbytes = step_cost(engine, burst.requests, burst.requests, burst.prompt + k, decode=True)
+        decode += max(nbytes / bandwidth, flops / gemm)
+    return prefill, decode
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_arguments(p)  # --model, --dtype, --threads (here 0 means 1), --cpu-linear, --fused-ops, ...
@@ -185,6 +227,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill", type=_token_counts, default=(64, 256, 1024),
                    help="prompt lengths of the prefill cases, comma-separated (default: 64,256,1024)")
     p.add_argument("--json", type=Path, help="also write every case's figures to this JSON file")
+    p.add_argument("--w1", type=int, default=64, metavar="N",
+                   help="W1 offline after the steps: N prompts of 256 tokens, 64 output tokens, all at once, "
+                        "against its roofline (0: not run)")
     p.add_argument("--profile", action="store_true",
                    help="instead: torch.profiler's breakdown of a decode step and a prefill (see --batch, --tokens)")
     p.add_argument("--batch", type=int, default=32, help="with --profile: the decode step's batch")
@@ -254,12 +299,26 @@ def main(argv: list[str] | None = None) -> None:
     strict = [max(nbytes / best["bandwidth"], flops / best["gemm"]) / e for e, flops, nbytes in rows]
     print(f"the run's best: GEMM {best['gemm'] / 1e9:.1f} GFLOP/s, memory read {best['bandwidth'] / 1e9:.1f} GB/s; "
           "of roofline against them: " + ", ".join(f"{f:.2f}" for f in strict))
+    w1 = None
+    if args.w1 > 0:
+        burst = Burst(requests=args.w1)
+        before = machine()
+        e = burst_time(engine, burst)
+        after = machine()
+        gemm, bandwidth, _ = (max(b, a) for b, a in zip(before, after, strict=True))
+        prefill, decode = burst_roofline(engine, burst, gemm, bandwidth)
+        w1 = {"requests": burst.requests, "prompt": burst.prompt, "output": burst.output, "engine_s": e,
+              "roofline_prefill_s": prefill, "roofline_decode_s": decode, "gemm_flops_s": gemm,
+              "read_bytes_s": bandwidth, "policy": engine.config.policy}
+        print(f"W1 offline ({burst.requests} prompts of {burst.prompt} tokens, {burst.output} out, "
+              f"{engine.config.policy}): {e:.2f} s, {burst.requests / e:.2f} req/s; roofline {prefill + decode:.2f} s "
+              f"(prefill {prefill:.2f} + decode {decode:.2f}): {(prefill + decode) / e:.2f} of it", flush=True)
     if args.json:
         write_json(args.json, {
             "model": loaded.name, "dtype": str(dtype).removeprefix("torch."), "threads": args.threads,
             "cpu": cpu_name(), "attention": engine.runner.backend.name, "linears": engine.runner.cpu_linear,
             "repeats": args.repeats, "best_gemm_flops_s": best["gemm"], "best_read_bytes_s": best["bandwidth"],
-            "cases": cases})
+            "deterministic": engine.runner.deterministic, "cases": cases, "w1": w1})
 
 
 def profile(engine: Engine, context: int, repeats: int, batch: int = 32, prefill_tokens: int = 256) -> None:

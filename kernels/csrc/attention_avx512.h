@@ -276,10 +276,14 @@ inline __m512 sum_halves8(const __m512* t) {
 // tree. The head's G x D / 16 query operands stay in registers over the tile. Same products and
 // float32 sums as Bf16Dot, in another order; the same prefetches as `scores`.
 //
-// `prefetch` false leaves out the next tile's prefetches, as in `scores`.
+// `prefetch` false leaves out the next tile's prefetches, as in `scores`. `group` and `g0`: the G
+// query heads scored are heads g0 .. g0 + G - 1 of each KV head's `group` (G itself by default),
+// so that a group too large for its query operands to stay in registers goes in two calls (the
+// second reading the keys the first brought into L1).
 template <int G, int D>
 void scores_pairs(const c10::BFloat16* q, const c10::BFloat16* kp, const c10::BFloat16* vp, const int64_t* rows,
-                  int64_t ctx, int64_t heads, float scale, float* scores, bool prefetch = true) {
+                  int64_t ctx, int64_t heads, float scale, float* scores, bool prefetch = true, int64_t group = G,
+                  int64_t g0 = 0) {
   constexpr int M = D / 16;
   const int64_t slot_bytes = heads * D * static_cast<int64_t>(sizeof(c10::BFloat16));
   // Each of the tile's heads * 8 pair products prefetches `per` lines of one of the next tile's
@@ -298,7 +302,7 @@ void scores_pairs(const c10::BFloat16* q, const c10::BFloat16* kp, const c10::BF
       for (int g = 0; g < G; ++g)
         for (int m = 0; m < M; ++m)
           qd[g][m] = (__m512bh)_mm512_broadcast_i64x4(_mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(q + (h * G + g) * D + 16 * m)));
+              reinterpret_cast<const __m256i*>(q + (h * group + g0 + g) * D + 16 * m)));
       for (int64_t jj = 0; 2 * jj < n; ++jj) {
         if (spans) {
           span.some(span_per);
@@ -321,7 +325,7 @@ void scores_pairs(const c10::BFloat16* q, const c10::BFloat16* kp, const c10::BF
       for (int g = 0; g < G; ++g) {
         for (int64_t jj = (n + 1) / 2; jj < 8; ++jj) partial[g][jj] = _mm512_setzero_ps();
         const __m512 s = _mm512_mul_ps(sum_halves8(partial[g]), vscale);
-        _mm512_mask_storeu_ps(scores + (h * G + g) * ctx + pos0, static_cast<__mmask16>((1u << n) - 1u), s);
+        _mm512_mask_storeu_ps(scores + (h * group + g0 + g) * ctx + pos0, static_cast<__mmask16>((1u << n) - 1u), s);
       }
     }
   }

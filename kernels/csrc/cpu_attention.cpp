@@ -317,6 +317,11 @@ void attend_wide(Dots dots, const T* q_raw, const float* qf, const T* kp, const 
         // The query operands in registers: G x D / 16 of them, at most 16.
         if constexpr (G <= 4) {
           if (geo.d == 64) return avx512::scores_pairs<G, 64>(q_raw, kp, vp, rows, ctx, heads, scale, scores, !resident);
+        } else {  // 5 to 8 query heads a KV head (Qwen2.5's 7): two calls of at most 4
+          if (geo.d == 64) {
+            avx512::scores_pairs<4, 64>(q_raw, kp, vp, rows, ctx, heads, scale, scores, !resident, G, 0);
+            return avx512::scores_pairs<G - 4, 64>(q_raw, kp, vp, rows, ctx, heads, scale, scores, false, G, 4);
+          }
         }
         if constexpr (G <= 2) {
           if (geo.d == 128) return avx512::scores_pairs<G, 128>(q_raw, kp, vp, rows, ctx, heads, scale, scores, !resident);

@@ -83,7 +83,7 @@ def test_a_sequence_gives_the_same_bits_alone_or_in_a_batch_on_one_or_two_thread
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("group", [1, 3, 4, 7])  # 7: two calls of the paired scores at head size 64
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize("block_size", [7, 16])
 def test_a_prompts_rows_attending_as_decodes_give_each_row_its_bits_alone(backend, dtype, group, head_dim, block_size):
