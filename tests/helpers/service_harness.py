@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 
 from pdserve.config.ports import free_port
+from tests.helpers.paths import REPO
+from tests.helpers.up_harness import FAULTS
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Cluster:
     num_routers: int = 1
     engine_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
+    faults: str = ""  # PDSERVE_TEST_FAULTS for every process (tests/helpers/faults)
     procs: list[Proc] = field(default_factory=list)
     # The deployment secret every process gets through the environment ('' runs --insecure).
     secret: str = field(default_factory=lambda: secrets.token_hex(32))
@@ -66,6 +69,9 @@ class Cluster:
     def _popen(self, cmd: list[str], log: Path, mode: str) -> subprocess.Popen:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("PDSERVE_SECRET_FILE", None)
+        if self.faults:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(FAULTS), str(REPO), env.get("PYTHONPATH"))))
+            env["PDSERVE_TEST_FAULTS"] = self.faults
         if self.secret:
             env["PDSERVE_SECRET"] = self.secret
         else:

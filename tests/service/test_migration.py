@@ -23,7 +23,10 @@ N_STREAMS, MAX_TOKENS = 6, 1200
 @pytest.fixture(scope="module")
 def cluster(tiny_dir, tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("migration"), str(tiny_dir), num_prefill=1, num_decode=2,
-                engine_args=("--drain-timeout", "2", "--dtype", "bfloat16", "--deterministic"))
+                engine_args=("--drain-timeout", "2", "--dtype", "bfloat16", "--deterministic"),
+                # The tiny model streams a token a millisecond: 3 ms a decode step keeps every stream
+                # running well past the moment the test has seen them all start and kills a worker.
+                faults="decode:step_delay_ms:3")
     c.start()
     yield c
     c.stop()

@@ -7,6 +7,9 @@ worker id (the value after --worker-id), and the first `count` transfers of that
   kv_flip        (prefill) one byte of the KV payload flipped after its checksum was taken, as
                  memory or wire corruption would: the decode worker's checksum check must catch it
   lease_expired  (decode) the transfer's lease counts as run out before its KV could be loaded
+  step_delay_ms  (any) here `count` is milliseconds: each engine step that runs the model sleeps
+                 that long first, so that a stream of a tiny model lasts long enough for a test to
+                 act while it runs
 """
 
 from __future__ import annotations
@@ -65,5 +68,21 @@ def _inject_lease_expired(count: int) -> None:
     base.ReceivedKV.within_lease = within_lease
 
 
+def _inject_step_delay_ms(ms: int) -> None:
+    import time
+
+    from pdserve.engine import runner
+
+    real = runner.ModelRunner.execute
+
+    def execute(self, scheduled):
+        if scheduled:
+            time.sleep(ms / 1000)
+        return real(self, scheduled)
+
+    runner.ModelRunner.execute = execute
+
+
 for _fault, _count in _faults().items():
-    {"kv_flip": _inject_kv_flip, "lease_expired": _inject_lease_expired}[_fault](_count)
+    {"kv_flip": _inject_kv_flip, "lease_expired": _inject_lease_expired,
+     "step_delay_ms": _inject_step_delay_ms}[_fault](_count)
