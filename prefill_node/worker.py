@@ -14,7 +14,7 @@ import logging
 from dataclasses import replace
 
 from pdserve.config.engine import EngineConfig
-from pdserve.config.names import CHUNKED
+from pdserve.config.names import CHUNKED, KV_TRANSPORTS
 from pdserve.config.worker import WorkerOptions
 from pdserve.engine.engine import Engine, context_length
 from pdserve.engine.kv_connector import KVConnector
@@ -29,17 +29,28 @@ from pdserve.worker.tracing import QUEUE
 log = logging.getLogger(__name__)
 
 
+def offered_transports(asked: tuple[str, ...], available: tuple[str, ...]) -> tuple[str, ...]:
+    """The KV transports of `asked` this machine runs (tcp where none is), in the asked order.
+    Those left out are logged by name alone: as a warning where the operator named them, at info
+    where `asked` is every transport (`pdserve up`'s offer, which lets each machine keep its own)."""
+    usable = tuple(k for k in asked if k in available) or ("tcp",)
+    missing = [k for k in asked if k not in available]
+    if missing:
+        level = logging.INFO if set(asked) == set(KV_TRANSPORTS) else logging.WARNING
+        log.log(level, "KV transport %s cannot run on this machine; offering %s", ", ".join(missing),
+                ", ".join(usable))
+    return usable
+
+
 class PrefillWorker(Worker):
     role = "prefill"
 
     @classmethod
     def create(cls, options: WorkerOptions, config: EngineConfig, loaded: LoadedModel | None = None) -> PrefillWorker:
         """A prefill worker: chunked prefill, and a connector that ships each request's KV."""
-        usable = tuple(k for k in options.kv_transports if k in available_kinds())
-        if usable != options.kv_transports:
-            log.warning("KV transports %s are unavailable here; offering %s", options.kv_transports, usable)
         worker_id = options.worker_id or default_worker_id(cls.role)
-        options = replace(options, kv_transports=usable or ("tcp",), worker_id=worker_id)
+        options = replace(options, kv_transports=offered_transports(options.kv_transports, available_kinds()),
+                          worker_id=worker_id)
         config = replace(config, policy=CHUNKED)
         loaded = loaded or load_model(config.model, single_use=True)  # this process builds one engine
         fingerprint = model_fingerprint(config, loaded)
