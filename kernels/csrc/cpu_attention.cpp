@@ -91,24 +91,17 @@ struct Geometry {
 // earlier ones out, else 0.
 inline int64_t window_start(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
 
-// Offsets (in elements) of KV head h's row at every position start..end-1 of one sequence
-// (rows[pos - start]), walking its blocks in order from start's (no division per position).
-inline void row_offsets(const int32_t* blocks, int64_t h, int64_t start, int64_t end, const Geometry& geo,
-                        std::vector<int64_t>& rows) {
+// Offsets (in elements) of KV head h's row at positions from..end-1 of one sequence, into
+// rows[pos - start] (rows already holding start..from-1 keep them), walking its blocks in order
+// from from's (no division per position).
+inline void row_offsets(const int32_t* blocks, int64_t h, int64_t start, int64_t from, int64_t end,
+                        const Geometry& geo, std::vector<int64_t>& rows) {
   rows.resize(end - start);
-  int64_t pos = start;
-  for (int64_t j = start / geo.block_size, t = start % geo.block_size; pos < end; ++j, t = 0) {
+  int64_t pos = from;
+  for (int64_t j = from / geo.block_size, t = from % geo.block_size; pos < end; ++j, t = 0) {
     const int64_t base = blocks[j] * geo.c_sn + h * geo.c_sh;
     for (; t < geo.block_size && pos < end; ++t, ++pos) rows[pos - start] = base + t * geo.c_ss;
   }
-}
-
-// rows[pos - start] for positions from .. end - 1, rows already holding start .. from - 1.
-inline void row_offsets_from(const int32_t* blocks, int64_t h, int64_t start, int64_t from, int64_t end,
-                             const Geometry& geo, std::vector<int64_t>& rows) {
-  rows.resize(end - start);
-  for (int64_t pos = from; pos < end; ++pos)
-    rows[pos - start] = blocks[pos / geo.block_size] * geo.c_sn + h * geo.c_sh + (pos % geo.block_size) * geo.c_ss;
 }
 
 // Whether block table rows a and b hold the same blocks for a sequence's first `len` positions
@@ -408,6 +401,13 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     // of the sequence whose block table row is rows_table (null: nothing yet).
     const int32_t* rows_table = nullptr;
     int64_t rows_head = -1, rows_start = -1;
+    // How many of an item's positions (KV head h, from `start`, block table row `table`) `rows`
+    // holds already: a prompt's previous row's, each its own sequence under --deterministic.
+    int64_t rows_held(const int32_t* table, int64_t h, int64_t start, int64_t block_size) const {
+      const int64_t held = static_cast<int64_t>(rows.size());
+      const bool same = rows_head == h && rows_start == start && shares_blocks(rows_table, table, start + held, block_size);
+      return same ? held : 0;
+    }
   };
   const auto scratch = [&] {
     const int64_t width = heads * group * d;
@@ -441,16 +441,11 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     }
     s.scores.resize(heads * group * ctx);
     const int32_t* own = table + b * t_sb;
-    const bool resident = shares_blocks(
-        s.rows_table, own, s.rows_start == start && s.rows_head == h0 ? start + static_cast<int64_t>(s.rows.size()) : 0,
-        geo.block_size);
-    if (resident) {
-      // The previous item's positions are a prefix of these (a prompt's rows, each its own
-      // sequence under --deterministic): only the new ones.
-      row_offsets_from(own, h0, start, start + static_cast<int64_t>(s.rows.size()), start + ctx, geo, s.rows);
-    } else {
-      row_offsets(own, h0, start, start + ctx, geo, s.rows);
-    }
+    // Where the previous item's positions are a prefix of these, only the new ones, and the slots
+    // are in cache: the scores pass leaves out its prefetches.
+    const int64_t held = std::min(s.rows_held(own, h0, start, geo.block_size), ctx);
+    const bool resident = held > 0;
+    row_offsets(own, h0, start, start + held, start + ctx, geo, s.rows);
     s.rows_table = own, s.rows_head = h0, s.rows_start = start;
     if (wide) {
       // The keys of this thread's next item (a whole sequence: the wide path), block by block;

@@ -276,10 +276,22 @@ struct DecodeKvBlocks {
     // The blocks a sequence reads, first .. end - 1 within its table row.
     const auto end = [&](int64_t b) { return std::clamp<int64_t>((lp[b] + block - 1) / block, 0, tables.size(1)); };
     const auto first = [&](int64_t b) { return window > 0 && lp[b] > window ? (lp[b] - window) / block : 0; };
+    // A row whose blocks the next row reads too (a prompt's rows, each a decode of its own under
+    // --deterministic) adds nothing: only the rows that are not.
+    const auto covered = [&](int64_t b) {
+      if (b + 1 >= step.num_decode || first(b + 1) > first(b) || end(b + 1) < end(b)) return false;
+      const int32_t* row = tp + b * tables.stride(0);
+      return std::equal(row + first(b), row + end(b), tp + (b + 1) * tables.stride(0) + first(b));
+    };
+    std::vector<int64_t> reading;
     int64_t most = 0;
-    for (int64_t b = 0; b < step.num_decode; ++b) most = std::max(most, end(b) - first(b));
+    for (int64_t b = 0; b < step.num_decode; ++b) {
+      if (covered(b)) continue;
+      reading.push_back(b);
+      most = std::max(most, end(b) - first(b));
+    }
     for (int64_t j = 0; j < most; ++j) {
-      for (int64_t b = 0; b < step.num_decode; ++b) {
+      for (const int64_t b : reading) {
         if (first(b) + j >= end(b)) continue;
         if (static_cast<int64_t>(offsets.size() + 2) * block_bytes > budget) return;
         const int64_t at = tp[b * tables.stride(0) + first(b) + j] * block_bytes;
