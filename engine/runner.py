@@ -20,9 +20,9 @@ from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.engine.scheduler import ScheduledRequest
 from pdserve.kernels.backends import get_backend
 from pdserve.kernels.cpu_backend import COMPILED_DTYPES, CpuBackend
-from pdserve.kernels.cpu_linear import tiles_run
 from pdserve.kernels.huge_pages import fault_in_background, zeros_on_huge_pages
 from pdserve.kernels.linear import (
+    TileLinear,
     linears_fit_tiles,
     select_linear_method,
     use_linear_method,
@@ -65,8 +65,9 @@ class ModelRunner:
         self.compiled_ops = (
             self.backend.ops if isinstance(self.backend, CpuBackend) and self.dtype in COMPILED_DTYPES else None
         )
-        self.deterministic = self._deterministic()
-        self.cpu_linear = self._pack_cpu_linears() if self.device.type == "cpu" else "none"
+        fit_tiles = linears_fit_tiles(self.model)
+        self.deterministic = self._deterministic(fit_tiles)
+        self.cpu_linear = self._pack_cpu_linears(fit_tiles) if self.device.type == "cpu" else "none"
         fused_ops = self._fused_elementwise_ops()
         self.fused_elementwise = fused_ops is not None
         if fused_ops is not None:
@@ -89,7 +90,7 @@ class ModelRunner:
         self.kv_fault_in = fault_in_background(self.kv_cache) if self.device.type == "cpu" else None
         self.sampler = Sampler(ops=self.compiled_ops)
 
-    def _deterministic(self) -> bool:
+    def _deterministic(self, fit_tiles: bool) -> bool:
         """--deterministic resolved: on where asked (the checks after packing refuse what cannot
         hold), off where refused, and unset, on where it costs little: bfloat16 on the tile kernels,
         whose decode steps it leaves as they were and whose long prompts it slows by a few per cent
@@ -99,9 +100,8 @@ class ModelRunner:
         asked = self.config.deterministic
         if asked is not None:
             return asked
-        return (self.compiled_ops is not None and self.dtype == torch.bfloat16 and self.config.fused_ops
-                and self.config.cpu_linear in ("auto", "tiles", "amx") and tiles_run(self.compiled_ops)
-                and linears_fit_tiles(self.model) and self.model.compiles_layers)
+        return (self.config.fused_ops and self.config.cpu_linear in ("auto", "tiles", "amx") and fit_tiles
+                and TileLinear.supports(self.dtype, self.device, self.compiled_ops) and self.model.compiles_layers)
 
     def _fused_elementwise_ops(self) -> object | None:
         """What runs RMSNorm, SiLU-mul and rotary: the compiled CPU ops, which ship with the
@@ -128,13 +128,13 @@ class ModelRunner:
         before that, a step's first writes to a page pay for faulting it in."""
         return self.kv_fault_in is None or not self.kv_fault_in.is_alive()
 
-    def _pack_cpu_linears(self) -> str:
+    def _pack_cpu_linears(self, fit_tiles: bool) -> str:
         """Pick the CPU matmul once, at load (--cpu-linear; kernels.linear.select_linear_method
         holds `auto`'s rule and the fallbacks), and pack every projection for it. Returns the
         --cpu-linear name of what runs: tiles, pdserve, onednn or mkl."""
         ops = self.compiled_ops
         method = select_linear_method(self.config.cpu_linear, self.dtype, self.device, ops,
-                                      weights_fit_tiles=linears_fit_tiles(self.model),
+                                      weights_fit_tiles=fit_tiles,
                                       batch_invariant=self.deterministic)
         use_linear_method(self.model, method)
         return method.cpu_linear
@@ -172,18 +172,19 @@ class ModelRunner:
                 input_ids.append(req.token_ids[start])
                 positions.append(start)
                 slots.append(blocks[start // bs] * bs + start % bs)
+                seq_lens.append(end)
+                tables.append(blocks)
             else:
                 input_ids.extend(req.token_ids[start:end])
                 positions.extend(range(start, end))
                 slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-                if as_decodes:
+                if as_decodes:  # row p: a sequence of p + 1 tokens over the prompt's blocks
                     seq_lens.extend(range(start + 1, end + 1))
                     tables.extend([blocks] * n)
                 else:
+                    seq_lens.append(end)
+                    tables.append(blocks)
                     cu.append(cu[-1] + n)
-            if n == 1 or not as_decodes:
-                seq_lens.append(end)
-                tables.append(blocks)
             if end == req.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 samplers.append(req)

@@ -117,15 +117,15 @@ def test_deterministic_refuses_to_start_where_it_could_not_hold(tiny, kw, messag
     ({"dtype": "bfloat16", "cpu_linear": "onednn"}, False),
     ({"dtype": "float32", "deterministic": True}, True),
 ])
-def test_unset_it_is_on_for_bfloat16_on_native_tiles_and_off_elsewhere(model, kw, expected):
-    llm = LLM(loaded=model, max_model_len=128, num_kv_blocks=16, **kw)
+def test_unset_it_is_on_for_bfloat16_on_native_tiles_and_off_elsewhere(tiny, kw, expected):
+    llm = LLM(loaded=tiny, max_model_len=128, num_kv_blocks=16, **kw)
     assert llm.engine.runner.deterministic is expected
     if expected:
         assert llm.engine.runner.cpu_linear in ("tiles", "pdserve")
 
 
-def test_unset_it_is_on_for_bfloat16_exactly_where_the_tiles_run_natively(model):
+def test_unset_it_is_on_for_bfloat16_exactly_where_the_tiles_run_natively(tiny):
     from pdserve.kernels.cpu_linear import tiles_run
 
-    runner = LLM(loaded=model, dtype="bfloat16", max_model_len=128, num_kv_blocks=16).engine.runner
+    runner = LLM(loaded=tiny, dtype="bfloat16", max_model_len=128, num_kv_blocks=16).engine.runner
     assert runner.deterministic is tiles_run(runner.compiled_ops)
