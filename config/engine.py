@@ -54,6 +54,12 @@ class EngineConfig:
     # Every token's arithmetic independent of the step that computes it (engine/runner.py); None:
     # where it costs little (bfloat16 on the CPU tiles), ModelRunner.deterministic says what holds.
     deterministic: bool | None = None
+    # Pipeline parallelism (engine/pipeline.py): the layers split into this many stages, each a
+    # process; `pp_layer_split` the layers of each ("15,15"; None: as even as the count allows);
+    # `pp_pin` gives each stage its share of the cores this process may run on.
+    pipeline_parallel_size: int = 1
+    pp_layer_split: str | None = None
+    pp_pin: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -73,6 +79,16 @@ class EngineConfig:
             raise ConfigError("--kv-cache-memory-gb must be positive")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("--max-model-len must be at least 2")
+        if self.pipeline_parallel_size < 1:
+            raise ConfigError("--pipeline-parallel-size must be at least 1")
+        if self.pp_layer_split is not None:
+            try:
+                counts = [int(c) for c in self.pp_layer_split.split(",")]
+            except ValueError:
+                raise ConfigError(f"--pp-layer-split takes layer counts like 15,15, got {self.pp_layer_split!r}") from None
+            if len(counts) != self.pipeline_parallel_size or min(counts) < 1:
+                raise ConfigError(f"--pp-layer-split needs {self.pipeline_parallel_size} counts of at least 1 "
+                                  f"(one per stage), got {self.pp_layer_split!r}")
 
 
 # (field, flag, type, help): the flags of EngineConfig fields, in --help order. `policy` and
@@ -108,6 +124,15 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
                                                "migration); CPU with the compiled kernels only. Unset: on for "
                                                "bfloat16 where the tile kernels run (AMX, AVX512-BF16), off elsewhere "
                                                "(README, 'Deterministic output')"),
+    ("pipeline_parallel_size", "--pipeline-parallel-size", int, "pipeline stages (-pp N): the model's layers split "
+                                                                "into N contiguous stages, each a process with its "
+                                                                "own weights, KV cache and cores; up to N "
+                                                                "micro-batches in flight (README, 'Pipeline "
+                                                                "parallelism')"),
+    ("pp_layer_split", "--pp-layer-split", str, "layers per stage, e.g. 15,15 (default: as even as the layer count "
+                                                "allows, the first stage the smaller share: it also runs the LM head)"),
+    ("pp_pin", "--pp-pin", bool, "give each pipeline stage its share of this process's cores (when there are at "
+                                 "least as many cores as stages)"),
 )
 _DEFAULTS = EngineConfig()
 
@@ -124,7 +149,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
             continue
         choices = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "cpu_kernels": CPU_KERNELS,
                    "cpu_linear": CPU_LINEARS}.get(field)
-        g.add_argument(flag, type=kind, choices=choices, help=help_,
+        names = (flag, "-pp") if field == "pipeline_parallel_size" else (flag,)
+        g.add_argument(*names, type=kind, choices=choices, help=help_,
                        default=flag_default(flag[2:], default if default is not None else kind()) or default)
     g.add_argument("--no-prefix-caching", action="store_true", default=flag_default("no-prefix-caching", False))
     g.add_argument("--threads", type=int, default=flag_default("threads", 0), help="torch CPU threads (0: torch's default)")
@@ -143,6 +169,7 @@ def engine_config(args: argparse.Namespace, policy: str | None = None) -> Engine
     values["max_model_len"] = values["max_model_len"] or None  # 0 on the command line: the model's
     values["attention_backend"] = values["attention_backend"] or None
     values["kernel_cache"] = values["kernel_cache"] or None
+    values["pp_layer_split"] = values["pp_layer_split"] or None
     return EngineConfig(
         **values,
         policy=policy or str(getattr(args, "policy", CHUNKED)),

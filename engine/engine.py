@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.block_pool import BlockPool
@@ -22,11 +22,15 @@ from pdserve.engine.kv_connector import KVConnector, KVSave
 from pdserve.engine.policies import make_policy
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampler import SampleResult
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.model.config import ModelConfig, resolve_dtype, torch_dtype
 from pdserve.model.weights import LoadedModel, load_model
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.text.grammar import GrammarCompiler, GrammarError, GrammarMatcher
+
+if TYPE_CHECKING:
+    from pdserve.engine.pipeline import MicroBatch, PipelineRunner
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +133,18 @@ class Engine:
             policy,
             self.connector.scheduler,
         )
-        self.runner = ModelRunner(config, loaded.config, loaded.state_dict, self.max_model_len, num_blocks,
-                                  consume_weights=loaded.single_use)
+        self.pipeline: PipelineRunner | None = None
+        self.runner: ModelRunner | PipelineRunner
+        if config.pipeline_parallel_size > 1:
+            from pdserve.engine.pipeline import PipelineRunner
+
+            self.runner = self.pipeline = PipelineRunner(config, loaded.config, loaded.state_dict, self.max_model_len,
+                                                         num_blocks, consume_weights=loaded.single_use)
+            self.scheduler.micro_batches = self.pipeline.depth
+        else:
+            self.runner = ModelRunner(config, loaded.config, loaded.state_dict, self.max_model_len, num_blocks,
+                                      consume_weights=loaded.single_use)
+        self._in_flight: deque[tuple[SchedulerOutput, MicroBatch, float]] = deque()
         self.counters = EngineCounters()
         self.last_step_ran = False  # whether the last step() ran the model (a caller's idle check)
         self.grammars = GrammarCompiler(loaded.tokenizer)
@@ -233,7 +247,19 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        if self.pipeline is not None:
+            return self._pipelined_step(self.pipeline)
         start = time.time()
+        out, outputs = self._schedule()
+        self.last_step_ran = not out.empty
+        if out.empty:
+            return outputs
+        samplers, result = self.runner.execute(out.scheduled)
+        return outputs + self._landed(out, samplers, result, start)
+
+    def _schedule(self) -> tuple[SchedulerOutput, list[RequestOutput]]:
+        """The next step's plan, its KV offloads and loads done, and the outputs of requests
+        that ended without a token."""
         compiled = self._take_compiled() if self._compiles else []
         out = self.scheduler.schedule()
         # Requests that ended without a token this step: too big for the cache, refused at admission.
@@ -245,11 +271,33 @@ class Engine:
             failed = self.scheduler.fail(out, self.connector.worker.load(out.kv.loads, self.runner))
             load_failed = {r.request_id for r in failed}
             ended += failed
-        outputs = compiled + [self._ended(r, "kv_failed" if r.request_id in load_failed else "") for r in ended]
-        self.last_step_ran = not out.empty
-        if out.empty:
-            return outputs
-        samplers, result = self.runner.execute(out.scheduled)
+        return out, compiled + [self._ended(r, "kv_failed" if r.request_id in load_failed else "") for r in ended]
+
+    def _pipelined_step(self, pipe: PipelineRunner) -> list[RequestOutput]:
+        """With pipeline stages: launch the next micro-batch if fewer than the pipeline's depth
+        are in flight, and collect the oldest when the pipeline is full or nothing more could
+        be launched. Outputs come as micro-batches land."""
+        outputs: list[RequestOutput] = []
+        launched = False
+        if len(self._in_flight) < pipe.depth:
+            start = time.time()
+            out, outputs = self._schedule()
+            if not out.empty:
+                self._in_flight.append((out, pipe.submit(out.scheduled), start))
+                self.scheduler.launched(out)
+                launched = True
+        collected = bool(self._in_flight) and (not launched or len(self._in_flight) >= pipe.depth)
+        if collected:
+            out, mb, start = self._in_flight.popleft()
+            samplers, result = pipe.collect(mb)
+            outputs += self._landed(out, samplers, result, start)
+        self.last_step_ran = launched or collected
+        return outputs
+
+    def _landed(self, out: SchedulerOutput, samplers: list[Request], result: SampleResult | None,
+                start: float) -> list[RequestOutput]:
+        """A step's samples into the requests: their outputs."""
+        outputs: list[RequestOutput] = []
         sampled = {r.request_id: t for r, t in zip(samplers, result.token_ids, strict=True)} if result else {}
         if result is not None and result.errors:  # no token allowed: end them, sample nothing
             failures = {samplers[i].request_id: why for i, why in result.errors.items()}
@@ -275,6 +323,20 @@ class Engine:
         self._saves.extend(out.kv.saves)
         self._record(start, now, out)
         return outputs
+
+    def check(self) -> None:
+        """Raise PipelineBroken where a pipeline stage has died (a worker's loop asks every turn)."""
+        if self.pipeline is not None:
+            self.pipeline.check()
+
+    def close(self) -> None:
+        """Stop the pipeline's stages, if any (an engine without stages holds no process)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+
+    def stage_stats(self) -> dict | None:
+        """The pipeline stages' busy and idle time and bubble fractions (None without stages)."""
+        return None if self.pipeline is None else self.pipeline.timeline.describe()
 
     @staticmethod
     def _ended(r: Request, retry: str = "") -> RequestOutput:

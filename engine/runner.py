@@ -9,6 +9,7 @@ Only the rows of sequences that finish their known tokens this step reach the LM
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
 
 import torch
 
@@ -29,7 +30,7 @@ from pdserve.kernels.linear import (
 )
 from pdserve.model.attention_metadata import AttentionMetadata
 from pdserve.model.config import ModelConfig, resolve_dtype, torch_dtype
-from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.llama import LlamaForCausalLM, StageLayers
 
 
 def _tensor(values: array, dtype: torch.dtype) -> torch.Tensor:
@@ -39,11 +40,32 @@ def _tensor(values: array, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(values, dtype=dtype)
 
 
+@dataclass(slots=True)
+class PackedStep:
+    """A step's inputs on the host: per token, per sequence (tables: one row of `width` block
+    ids per sequence), the number of rows that attend as decodes, and the rows that sample."""
+
+    input_ids: array
+    positions: array
+    slots: array
+    seq_lens: array
+    cu: array
+    tables: array
+    width: int
+    num_decode_rows: int
+    sample_rows: array
+    samplers: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
+
+
 class ModelRunner:
     """Owns the model weights and the KV cache tensor [L, 2, num_blocks, S, Hkv, D]."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, state_dict, max_model_len: int, num_blocks: int,
-                 consume_weights: bool = False) -> None:
+                 consume_weights: bool = False, stage: StageLayers | None = None) -> None:
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             keep_step_memory()
@@ -52,7 +74,9 @@ class ModelRunner:
         self.config = config
         self.backend = get_backend(self.device, config.attention_backend, cpu_kernels=config.cpu_kernels,
                                    require_cpu_kernels=config.require_cpu_kernels, kernel_cache=config.kernel_cache)
-        self.model = LlamaForCausalLM(model_config, self.backend, max_positions=max_model_len)
+        # A pipeline stage (engine/pipeline.py) holds its layers, their KV cache and their weights only.
+        self.stage = stage or StageLayers.whole(model_config.num_layers)
+        self.model = LlamaForCausalLM(model_config, self.backend, max_positions=max_model_len, stage=self.stage)
         # The parameters take the serving dtype and device first, the weights are cast as they are
         # copied in: no float32 copy of the model beside the source. With `consume_weights` the
         # source (a worker's own, LoadedModel.single_use) is let go tensor by tensor as well.
@@ -81,7 +105,7 @@ class ModelRunner:
                              "run here (--cpu-kernels off, --no-fused-ops, another device, or a dtype or "
                              "activation they lack)")
         m = model_config
-        shape = (m.num_layers, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        shape = (self.stage.end - self.stage.start, 2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         self.kv_cache = (
             zeros_on_huge_pages(shape, self.dtype) if self.device.type == "cpu"
             else torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -150,6 +174,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> tuple[list[Request], SampleResult | None]:
         """Run one step; return the requests that sampled, in order, and their samples."""
+        step = self.pack(scheduled)
+        hidden = self.forward(step)
+        return self.sample(step, hidden)
+
+    def pack(self, scheduled: list[ScheduledRequest]) -> PackedStep:
+        """A step's host-side inputs, in the packed order (the module's docstring)."""
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
@@ -194,29 +224,45 @@ class ModelRunner:
         for t in tables:  # each row padded with block 0 (never read past the sequence's length)
             flat.extend(t)
             flat.frombytes(bytes(flat.itemsize * (width - len(t))))
-        table = _tensor(flat, torch.int32).view(len(tables), width)
-        lens = _tensor(seq_lens, torch.int32)
+        return PackedStep(input_ids, positions, slots, seq_lens, cu, flat, width, nd, sample_rows, samplers)
+
+    @torch.inference_mode()
+    def forward(self, step: PackedStep, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this runner's layers over a packed step: from the token ids (the first stage), or
+        from `hidden`, the previous stage's residual stream. Returns the final hidden states (the
+        last stage), else this stage's residual stream."""
+        table = _tensor(step.tables, torch.int32).view(-1, step.width) if step.width else torch.empty(0, 0, dtype=torch.int32)
+        lens = _tensor(step.seq_lens, torch.int32)
+        nd = step.num_decode_rows
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=_tensor(slots, torch.int64).to(dev),
+            slot_mapping=_tensor(step.slots, torch.int64).to(dev),
             num_decode_tokens=nd,
             decode_seq_lens=lens[:nd].to(dev),
             decode_block_tables=table[:nd].to(dev),
-            prefill_cu_seqlens_q=_tensor(cu, torch.int32).to(dev),
+            prefill_cu_seqlens_q=_tensor(step.cu, torch.int32).to(dev),
             prefill_seq_lens=lens[nd:].to(dev),
             prefill_block_tables=table[nd:].to(dev),
         )
-        hidden = self.model(
-            _tensor(input_ids, torch.long).to(dev),
-            _tensor(positions, torch.long).to(dev),
+        return self.model(
+            _tensor(step.input_ids, torch.long).to(dev) if hidden is None else None,
+            _tensor(step.positions, torch.long).to(dev),
             meta,
             self.kv_cache,
+            hidden=hidden,
         )
+
+    @torch.inference_mode()
+    def sample(self, step: PackedStep, hidden: torch.Tensor, rows_only: bool = False) -> tuple[list[Request], SampleResult | None]:
+        """The LM head and the sampler over the rows that sample. `hidden` holds every row of the
+        step, or with `rows_only` just the sampling rows (what the last pipeline stage sends)."""
+        samplers, sample_rows = step.samplers, step.sample_rows
         if not samplers:
             return [], None
         # Every row samples in a decode-only step (rows ascend, so they are all of them in order):
         # no gather, whose code and data would come from DRAM right after the layers have streamed
         # every weight through the caches.
-        rows = hidden if len(sample_rows) == hidden.shape[0] else hidden[_tensor(sample_rows, torch.long).to(dev)]
+        dev = self.device
+        rows = hidden if rows_only or len(sample_rows) == hidden.shape[0] else hidden[_tensor(sample_rows, torch.long).to(dev)]
         logits = self.model.compute_logits(rows)
         return samplers, self.sampler(logits, samplers)

@@ -51,6 +51,9 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     kv: KVConnectorMetadata = field(default_factory=KVConnectorMetadata)
+    # Pipelined prompt chunks that sample nothing: their computed count went forward at launch
+    # (Scheduler.launched), so update() does not add them again.
+    advanced: set[Request] = field(default_factory=set)
 
     @property
     def num_tokens(self) -> int:
@@ -113,6 +116,14 @@ class Scheduler:
         # schedulable yet; `ready` moves one to `waiting`.
         self.compiling: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Pipeline parallelism (engine/pipeline.py): up to `micro_batches` steps in flight. A
+        # request whose in-flight step samples for it is `awaiting` (no new step takes it until
+        # update()); `in_flight` counts each request's steps in flight (never pre-empted: a
+        # later stage still writes its blocks).
+        self.micro_batches = 1
+        self.awaiting: set[Request] = set()
+        self.in_flight: dict[Request, int] = {}
+        self._num_hidden = 0  # running requests kept out of the step being built
 
     # --- requests in and out ---------------------------------------------------------------
     def add_request(self, req: Request, ready: bool = True) -> None:
@@ -185,8 +196,51 @@ class Scheduler:
     # --- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = Step(self.config.max_num_batched_tokens)
-        self.policy.schedule(self, step)
+        if self.micro_batches == 1:
+            self.policy.schedule(self, step)
+            return step.out
+        # Micro-batches: the policy sees the running requests that may join this one, and
+        # decides as it always does. Out of it: those awaiting a sample, and decodes beyond this
+        # micro-batch's share (1/N of them, so that N micro-batches in flight carry alike).
+        everyone = self.running
+        hidden = self._kept_out(everyone)
+        self.running = [r for r in everyone if r not in hidden]
+        self._num_hidden = len(hidden)
+        try:
+            self.policy.schedule(self, step)
+        finally:
+            visible, before = set(self.running), set(everyone)
+            self.running = ([r for r in everyone if r in hidden or r in visible]
+                            + [r for r in self.running if r not in before])
+            self._num_hidden = 0
         return step.out
+
+    def _kept_out(self, running: list[Request]) -> set[Request]:
+        decoding = [r for r in running if not r.is_prefilling]
+        share = -(-len(decoding) // self.micro_batches)
+        out = set(self.awaiting)
+        free = [r for r in decoding if r not in out]
+        out.update(free[share:])
+        return out
+
+    def launched(self, out: SchedulerOutput) -> None:
+        """A step went into the pipeline: its requests are in flight; a prompt chunk that samples
+        nothing counts as computed now (its next chunk may follow it down the pipeline at once),
+        a request that samples waits for update()."""
+        for req, n in out.scheduled:
+            self.in_flight[req] = self.in_flight.get(req, 0) + 1
+            if req.num_computed_tokens + n < req.num_tokens:
+                req.num_computed_tokens += n
+                out.advanced.add(req)
+            else:
+                self.awaiting.add(req)
+
+    def _landed(self, req: Request, sampled: bool) -> None:
+        count = self.in_flight.pop(req, 0)
+        if count > 1:
+            self.in_flight[req] = count - 1
+        if sampled:
+            self.awaiting.discard(req)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed counts, commit full blocks to the prefix cache, append sampled tokens.
@@ -196,9 +250,12 @@ class Scheduler:
         """
         finished = []
         for req, n in out.scheduled:
+            if self.in_flight:
+                self._landed(req, req not in out.advanced)
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += n
+            if req not in out.advanced:
+                req.num_computed_tokens += n
             self._commit_blocks(req)
             token = sampled.get(req.request_id)
             if token is None:
@@ -215,7 +272,9 @@ class Scheduler:
         """Put n more tokens of a running request in the step, pre-empting newer requests for blocks."""
         need = self._blocks_needed(req, n)
         while need > self.pool.num_available:
-            victim = self.running[-1]
+            victim = self._victim()
+            if victim is None:  # all the others are in flight: next step
+                return False
             self.preempt(victim, step)
             if victim is req:
                 return False
@@ -224,9 +283,15 @@ class Scheduler:
         step.add(req, n)
         return True
 
+    def _victim(self) -> Request | None:
+        """The newest running request not in flight (None: every one is)."""
+        if not self.in_flight:
+            return self.running[-1]
+        return next((r for r in reversed(self.running) if r not in self.in_flight), None)
+
     def try_admit(self, step: Step, req: Request, n_max: int) -> int:
         """Admit the waiting request at the head of the queue with up to n_max tokens; 0 if not."""
-        if len(self.running) >= self.config.max_num_seqs:
+        if len(self.running) + self._num_hidden >= self.config.max_num_seqs:
             return 0
         hits: list[int] = []
         external = 0
@@ -288,7 +353,8 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         step.out.preempted.append(req)
-        if not self.running and self._blocks_needed(req, req.num_tokens) > self.pool.num_available:
+        if (not self.running and not self._num_hidden and not self.in_flight
+                and self._blocks_needed(req, req.num_tokens) > self.pool.num_available):
             # Alone and still too big for the whole cache: waiting would deadlock; end it visibly.
             log.warning("request %s: KV cache too small to continue; finishing with 'length'", req.request_id)
             self._finish(req, RequestStatus.FINISHED_LENGTH, step.out.kv)

@@ -94,9 +94,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend, cache_index: int | None = None) -> None:
         super().__init__()
         self.layer = layer
+        # This layer's index in its stage's KV cache (its own index where one stage holds them all).
+        self.cache_index = layer if cache_index is None else cache_index
         self.backend = backend
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = config.num_heads * config.head_dim
@@ -121,7 +123,7 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        k_cache, v_cache = kv_cache[self.layer, 0], kv_cache[self.layer, 1]
+        k_cache, v_cache = kv_cache[self.cache_index, 0], kv_cache[self.cache_index, 1]
         self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd, scale = meta.num_decode_tokens, self.scale
         if nd == t:
@@ -161,9 +163,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend, cache_index: int | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer, backend)
+        self.self_attn = Attention(config, layer, backend, cache_index)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -213,12 +215,58 @@ class DecoderLayer(nn.Module):
         return weights, tuple(large), dims, (attn.window, self.local_rope)
 
 
+@dataclass(frozen=True, slots=True)
+class StageLayers:
+    """The part of the model one pipeline stage holds (engine/pipeline.py): layers [start, end),
+    the embedding where it is the first stage, the final norm where it is the last. The LM head
+    goes with the sampler, and the sampler with the requests' state (penalties, seeds, grammar
+    matchers): on the first stage, which schedules."""
+
+    start: int
+    end: int
+    num_layers: int
+
+    @classmethod
+    def whole(cls, num_layers: int) -> StageLayers:
+        return cls(0, num_layers, num_layers)
+
+    @property
+    def first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.end == self.num_layers
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.end)
+
+    def owns(self, name: str, tied_embeddings: bool) -> bool:
+        """Whether a Hugging Face-named tensor belongs to this stage."""
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) in self.layers
+        if name.startswith("model.embed_tokens."):
+            return self.first  # and the LM head's, where the embeddings are tied
+        if name.startswith("model.norm."):
+            return self.last
+        if name.startswith("lm_head."):
+            return self.first
+        return True
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int,
+                 stage: StageLayers | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        stage = stage or StageLayers.whole(config.num_layers)
+        # A stage keeps the layers' indices (and so their weights' names): the others are empty.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if stage.first else None
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, backend, i - stage.start) if i in stage.layers else nn.Identity()
+            for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.last else None
         self.rotary = RotaryEmbedding(config, max_positions)
         # The windowed layers' own rotary tables where they have their own base (Gemma 3).
         local = config.local_rope_theta is not None and any(config.layer_windows)
@@ -268,13 +316,18 @@ class CompiledLayers:
 class LlamaForCausalLM(nn.Module):
     """Weights load from Hugging Face names (either loader); q/k/v and gate/up are fused here."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int,
+                 stage: StageLayers | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend, max_positions)
+        self.stage = stage or StageLayers.whole(config.num_layers)
+        self.model = LlamaModel(config, backend, max_positions, self.stage)
         # Tied embeddings get a transposed copy here: the embedding lookup wants rows, the LM
         # head's matmul wants the transposed layout (see Linear).
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False) if self.stage.first else None
+        # What a stage before the last passes decoder_layers_ for the final norm: its output is
+        # dropped, the residual stream (updated in place) goes to the next stage.
+        self.register_buffer("no_norm", None if self.stage.last else torch.ones(config.hidden_size), persistent=False)
         self._compiled: CompiledLayers | None = None  # once use_compiled_layers() is called
         self._embed_scales: dict[torch.dtype, float] = {}
 
@@ -292,31 +345,45 @@ class LlamaForCausalLM(nn.Module):
         return self._compiled
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        """input_ids/positions [T] -> final hidden states [T, H]; writes this step's K/V."""
-        x = self.model.embed_tokens(input_ids)
-        if self.config.embed_scale != 1.0:  # Gemma: the scale rounded to the model's dtype, as transformers does
-            x.mul_(self._embed_scale(x.dtype))
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids/positions [T] -> final hidden states [T, H]; writes this step's K/V (of this
+        stage's layers). A stage after the first takes the residual stream `hidden` [T, H] instead
+        of input_ids (and updates it in place); a stage before the last returns the residual
+        stream, not normed, for the next stage."""
+        if hidden is not None:
+            x = hidden
+        else:
+            assert self.model.embed_tokens is not None, "a stage after the first takes the hidden states"
+            x = self.model.embed_tokens(input_ids)
+            if self.config.embed_scale != 1.0:  # Gemma: the scale rounded to the model's dtype, as transformers does
+                x.mul_(self._embed_scale(x.dtype))
+        norm = self.model.norm
         c = self._compiled
         if c is not None and (c.prefills or meta.num_decode_tokens == x.shape[0]):
             local = self.model.rotary_local  # only a family's options go before its tables
             tables = () if local is None or not c.options else (local.cos, local.sin)
-            return c.ops.decoder_layers_(  # type: ignore[attr-defined]
-                x, c.weights, c.large_weights, cpu_linear.TILE_MAX_ROWS, self.model.norm.weight, positions,
+            h = c.ops.decoder_layers_(  # type: ignore[attr-defined]
+                x, c.weights, c.large_weights, cpu_linear.TILE_MAX_ROWS,
+                norm.weight if norm is not None else self.get_buffer("no_norm"), positions,
                 self.model.rotary.cos, self.model.rotary.sin, kv_cache, meta.slot_mapping, meta.num_decode_tokens,
                 meta.decode_seq_lens, meta.decode_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
                 meta.prefill_block_tables, *c.dims, c.kv_prefetch, *c.options, *tables,
             )
+            return h if norm is not None else x
         # Each residual add goes with the norm after it (RMSNorm.add_norm_); x, the embeddings'
         # output, is this step's own, updated in place.
         layers = [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
-        after = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
-        h = (layers[0].input_layernorm if layers else self.model.norm)(x)
+        after: list[RMSNorm | None] = [layer.input_layernorm for layer in layers[1:]] + [norm]
+        h = layers[0].input_layernorm(x) if layers else x
         local = self.model.rotary_local
-        for layer, norm in zip(layers, after, strict=True):
+        for layer, after_norm in zip(layers, after, strict=True):
             rotary = local if layer.local_rope and local is not None else self.model.rotary
-            h = norm.add_norm_(x, layer(x, h, positions, rotary, meta, kv_cache))
-        return h
+            out = layer(x, h, positions, rotary, meta, kv_cache)
+            h = after_norm.add_norm_(x, out) if after_norm is not None else x.add_(out)
+        if not layers and norm is not None:
+            h = norm(x)
+        return h if norm is not None else x
 
     def use_fused_ops(self, ops) -> None:
         """Run RMSNorm, SiLU-mul and rotary through these compiled ops (kernels/csrc/
@@ -360,7 +427,7 @@ class LlamaForCausalLM(nn.Module):
         family = len(args[0][0]) > 6 or any(windows) or activation != 0
         options = (windows, local_rope, activation) if family else ()
         backend = layers[0].self_attn.backend if layers else None
-        prefills = backend is not None and backend.compiles_prefill(self.lm_head.weight.dtype, dims[2])
+        prefills = backend is not None and backend.compiles_prefill(args[0][0][0].dtype, dims[2])
         self._compiled = CompiledLayers(
             ops, [w for weights, _, _, _ in args for w in weights], [w for _, large, _, _ in args for w in large],
             dims, prefills, kv_prefetch, options,
@@ -371,6 +438,7 @@ class LlamaForCausalLM(nn.Module):
         """[N, H] -> logits [N, V] in the model's dtype; only the rows that sample are passed here.
         Not widened to float32: a plain greedy batch takes the argmax of these as they are (the
         same index), and the sampler widens its own copy where it edits or draws from them."""
+        assert self.lm_head is not None, "the LM head is the first stage's"
         logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
@@ -386,8 +454,12 @@ class LlamaForCausalLM(nn.Module):
         if self.config.norm_weight_offset:  # Gemma's norms multiply by 1 + w
             offset = self.config.norm_weight_offset
             state_dict = {k: v + offset if k.endswith("norm.weight") else v for k, v in state_dict.items()}
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and "model.embed_tokens.weight" in state_dict:
             state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
+        stage = self.stage
+        if not (stage.first and stage.last):  # a pipeline stage: only its own tensors
+            for name in [n for n in state_dict if not stage.owns(n, self.config.tie_word_embeddings)]:
+                del state_dict[name]
         own = self.state_dict()
         expected = set(own)
         missing = expected - state_dict.keys()

@@ -26,12 +26,15 @@ WAIT = 30.0
 class Pair:
     """A prefill engine and a decode engine, driven the way the two workers' loops drive them."""
 
-    def __init__(self, loaded, cfg: EngineConfig, kind: str = "tcp", decode_blocks: int | None = None) -> None:
+    def __init__(self, loaded, cfg: EngineConfig, kind: str = "tcp", decode_blocks: int | None = None,
+                 prefill_stages: int = 1, decode_stages: int = 1) -> None:
         fp = model_fingerprint(cfg, loaded)
         self.out_conn = PrefillConnector(fp, "prefill-test", context_length(cfg, loaded.config), lease_s=10.0)
-        self.prefill = Engine(replace(cfg, policy=CHUNKED), loaded, KVConnector(self.out_conn, self.out_conn))
+        self.prefill = Engine(replace(cfg, policy=CHUNKED, pipeline_parallel_size=prefill_stages), loaded,
+                              KVConnector(self.out_conn, self.out_conn))
         self.in_conn = DecodeConnector()
-        self.decode = Engine(replace(cfg, policy=DECODE_ONLY, num_kv_blocks=decode_blocks or cfg.num_kv_blocks),
+        self.decode = Engine(replace(cfg, policy=DECODE_ONLY, num_kv_blocks=decode_blocks or cfg.num_kv_blocks,
+                                     pipeline_parallel_size=decode_stages),
                              loaded, KVConnector(self.in_conn, self.in_conn))
         self.receiver = make_receiver(kind, "tcp://127.0.0.1:0", fingerprint=fp)
         self.kind = kind
@@ -86,3 +89,5 @@ class Pair:
     def close(self) -> None:
         self.out_conn.close()
         self.receiver.close()
+        self.prefill.close()
+        self.decode.close()
