@@ -1,4 +1,5 @@
-"""A worker's HTTP probes on their own thread: /health (liveness), /ready (readiness), /info.
+"""A worker's HTTP probes on their own thread: /health (liveness), /ready (readiness), /info,
+and /metrics (Prometheus; a pipeline's stages, worker/stage_metrics.py).
 
 Liveness means the engine loop is turning: it fails when the loop has not ticked for
 `stuck_after` seconds, whatever the router is doing. Readiness means the model is loaded and the
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 HEADER_TIMEOUT_S = 5.0  # the whole request head, from the connection's accept
 MAX_CONNECTIONS = 64  # open at once; a probe needs one
 MAX_HEAD_BYTES = 8192
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 WRITE_TIMEOUT_S = 5.0  # a peer that does not read its answer is cut off
 
 
@@ -34,8 +36,8 @@ class HealthServer:
     """Binds at construction (so `address` is known), serves from `start` until `close`."""
 
     def __init__(self, host: str, port: int, live: Callable[[], bool], ready: Callable[[], bool],
-                 info: Callable[[], dict]) -> None:
-        self.live, self.ready, self.info = live, ready, info
+                 info: Callable[[], dict], metrics: Callable[[], bytes] | None = None) -> None:
+        self.live, self.ready, self.info, self.metrics = live, ready, info, metrics
         self._sock = socket.create_server((host, port), backlog=128)
         self.address = f"http://{host}:{self._sock.getsockname()[1]}"
         self.open_connections = 0  # the serving thread's
@@ -102,7 +104,7 @@ class HealthServer:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
 
-    def _route(self, head: bytes) -> tuple[int, dict]:
+    def _route(self, head: bytes) -> tuple[int, dict | bytes]:
         parts = head.split(b"\r\n", 1)[0].split()
         if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
             return 400, {"error": "not an HTTP request"}
@@ -115,13 +117,16 @@ class HealthServer:
             ok = self.ready()
         elif path == b"/info":
             ok = True
+        elif path == b"/metrics" and self.metrics is not None:
+            return 200, self.metrics()
         else:
             return 404, {"error": "not found"}
         return (200 if ok else 503), self.info() | {"ok": ok}
 
-    async def _answer(self, writer: asyncio.StreamWriter, code: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        head = (f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\nContent-Type: application/json\r\n"
+    async def _answer(self, writer: asyncio.StreamWriter, code: int, body: dict | bytes) -> None:
+        # /metrics answers Prometheus's text format; everything else JSON.
+        data, kind = (body, PROMETHEUS_TEXT) if isinstance(body, bytes) else (json.dumps(body).encode(), "application/json")
+        head = (f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\nContent-Type: {kind}\r\n"
                 f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
         writer.write(head + data)
         with contextlib.suppress(Exception):  # a peer that went away or does not read

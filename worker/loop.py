@@ -23,6 +23,7 @@ from pdserve.config.log_limits import RateLimitedLog
 from pdserve.config.router_address import parse_router_addresses
 from pdserve.config.worker import WorkerOptions
 from pdserve.engine.engine import Engine, EngineLoad, RequestOutput, RequestRejected
+from pdserve.engine.pipeline import PipelineBroken
 from pdserve.model.config import resolve_dtype
 from pdserve.model.weights import LoadedModel
 from pdserve.protocol.auth import FrameAuth
@@ -40,6 +41,7 @@ from pdserve.protocol.messages import (
 from pdserve.worker.health import HealthServer
 from pdserve.worker.router_link import Fence
 from pdserve.worker.router_links import RouterLinks
+from pdserve.worker.stage_metrics import worker_metrics
 from pdserve.worker.tracing import NO_SPANS, NoSpans, worker_spans
 
 log = logging.getLogger(__name__)
@@ -96,7 +98,9 @@ class Worker(ABC):
         self._draining = False
         self._last_tick = time.monotonic()
         self._load: EngineLoad = engine.load()
-        self.health = HealthServer(options.host, options.health_port, self._live, self._ready, self.info)
+        timeline = engine.pipeline.timeline if engine.pipeline is not None else None
+        self.health = HealthServer(options.host, options.health_port, self._live, self._ready, self.info,
+                                   worker_metrics(timeline, self.worker_id))
         self.links = RouterLinks(parse_router_addresses(options.router_address), self._heartbeat,
                                  options.heartbeat_interval, auth=FrameAuth.from_secret(options.secret),
                                  resolve_interval=options.router_resolve_interval)
@@ -166,11 +170,24 @@ class Worker(ABC):
         self._stop.set()
 
     def run(self) -> None:
-        """The engine loop; returns after a drain or stop()."""
+        """The engine loop; returns after a drain or stop(). A dead pipeline stage closes the
+        worker (its Goodbye has the router migrate its requests: none fails) and raises
+        PipelineBroken."""
+        try:
+            self._loop()
+        except PipelineBroken as exc:
+            log.error("%s %s: %s; closing the worker (its requests migrate)", self.role, self.worker_id, exc)
+            self.close()
+            raise
+
+    def _loop(self) -> None:
         assert self._started, "start() first"
         drain_deadline = None
         empty_since: float | None = None  # since when the loop has held no request at all
         while not self._stop.is_set():
+            # A dead pipeline stage takes the worker down: the router migrates its requests, and
+            # `pdserve up` (or Kubernetes) restarts the whole worker.
+            self.engine.check()
             for work in self.links.poll():
                 self._accept_safely(work)
             self._guarded("transport poll", self.poll_io)
@@ -183,6 +200,8 @@ class Worker(ABC):
                 step_started = time.time_ns()
                 try:
                     outputs = self.engine.step()
+                except PipelineBroken:
+                    raise
                 except Exception:  # a bug must cost the requests in flight, not the worker
                     log.exception("%s %s: engine step failed; failing the running requests", self.role, self.worker_id)
                     self._fail_running("internal error in the engine step")
@@ -216,6 +235,7 @@ class Worker(ABC):
         self.close_io()
         self.links.close()
         self.health.close()
+        self.engine.close()
 
     # --- internals -------------------------------------------------------------------------
     def _accept_safely(self, work) -> None:
@@ -335,4 +355,5 @@ class Worker(ABC):
             "steps_with_prefill": c.steps_with_prefill, "preemptions": c.preemptions,
             **self.engine.cache_stats(), "running": self._load.running, "waiting": self._load.waiting,
             "kv_bytes_sent": sent, "kv_bytes_received": received, "routers": self.links.describe(),
+            **({"pipeline": stages} if (stages := self.engine.stage_stats()) is not None else {}),
         }

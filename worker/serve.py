@@ -26,6 +26,8 @@ def serve(factory: WorkerFactory, args: argparse.Namespace, policy: str | None =
     """Start the worker `factory` builds from `args`, run its loop until drained; the exit code."""
     import torch
 
+    from pdserve.engine.pipeline import PipelineBroken
+
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -45,6 +47,9 @@ def serve(factory: WorkerFactory, args: argparse.Namespace, policy: str | None =
     worker.start()
     try:
         worker.run()
+    except PipelineBroken as exc:
+        print(f"pdserve: {worker.worker_id}: {exc}", file=sys.stderr)
+        return 1
     finally:
         tracing.shutdown()  # the last spans out before the process goes
     log.info("worker %s stopped", worker.worker_id)

@@ -1,0 +1,37 @@
+"""Bubble accounting (engine/stage_timeline.py) against a scripted schedule whose busy and idle
+gaps are known."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.stage_timeline import Interval, StageTimeline
+
+
+def scripted() -> StageTimeline:
+    """Two stages over 10 s. Stage 0 computes micro-batches at [0, 2), [2, 4) and [6, 7): 5 s busy.
+    Stage 1 takes each after stage 0: [2, 4), [4, 6), [7, 9): 6 s busy, idle at [0, 2), [6, 7), [9, 10)."""
+    t = StageTimeline(2, since=0.0, clock=lambda: 10.0)
+    for stage, mb, start, end in [(0, 1, 0, 2), (1, 1, 2, 4), (0, 2, 2, 4), (1, 2, 4, 6), (0, 3, 6, 7), (1, 3, 7, 9)]:
+        t.record(Interval(stage, mb, float(start), float(end)))
+    return t
+
+
+def test_busy_idle_and_bubble_fractions_of_a_known_schedule():
+    t = scripted()
+    assert t.busy == [5.0, 6.0]
+    assert t.idle() == [5.0, 4.0]
+    assert t.bubble_fraction() == [0.5, 0.4]
+    # The last 5 s, [5, 10]: stage 0 busy 1 s (6-7), stage 1 busy 1 + 2 s (5-6, 7-9).
+    assert t.bubble_fraction(window=5.0) == pytest.approx([0.8, 0.4])
+    info = t.describe()
+    assert info["bubble_fraction"] == [0.5, 0.4] and info["idle_seconds"] == [5.0, 4.0]
+
+
+def test_the_timeline_window_and_bad_intervals():
+    t = scripted()
+    assert [(iv.stage, iv.micro_batch) for iv in t.window(5.0, 6.5)] == [(1, 2), (0, 3)]
+    with pytest.raises(ValueError):
+        t.record(Interval(2, 4, 0.0, 1.0))  # no such stage
+    with pytest.raises(ValueError):
+        t.record(Interval(0, 4, 2.0, 1.0))  # ends before it starts
