@@ -91,6 +91,9 @@ def format_summary(s: dict, title: str = "Serving Benchmark Result") -> str:
             lines.append(f"{' ' + row + ' ':-^60}")
         else:
             lines.append(f"{row[0] + ':':<44}{_fmt(row[1]):>16}")
+    if s.get("bubble_fraction"):
+        lines.append(f"{' Pipeline bubbles (idle / wall per stage) ':-^60}")
+        lines += [f"{worker + ':':<44}{' / '.join(f'{f:.2f}' for f in fr):>16}" for worker, fr in s["bubble_fraction"].items()]
     if s.get("errors"):
         lines.append(f"{' Errors ':-^60}")
         lines += [f"{n:>5} x {msg[:52]}" for msg, n in s["errors"].items()]

@@ -11,13 +11,14 @@ import dataclasses
 import logging
 import math
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from pdserve.bench import plots, report
+from pdserve.bench import plots, report, stage_scrape
 from pdserve.bench.client import Api, Endpoint, default_model
 from pdserve.bench.loadgen import LoadConfig, LoadMode, run_load_sync
 from pdserve.bench.metrics import SLO, RunInfo, summarize
@@ -101,7 +102,12 @@ def run_point(plan: Plan, out_dir: Path, rate: float | None = None, label: str =
     endpoint = Endpoint(base_url=plan.base_url, model=model, api=plan.api, api_key=plan.api_key,
                         exact_output_len=plan.exact_output_len)
     log.info("benchmark %s: %d requests against %s (%s)", label or "run", len(specs), plan.base_url, model)
+    stages_before = stage_scrape.scrape(plan.base_url)
     result = _pinned(plan.client_cpus, lambda: run_load_sync(specs, endpoint, plan.load))
+    bubbles = {}
+    if stages_before:  # heartbeats carry the stage counters: one beat more has the run's last steps
+        time.sleep(stage_scrape.HEARTBEAT_WAIT_S)
+        bubbles = stage_scrape.bubble_fractions(stages_before, stage_scrape.scrape(plan.base_url))
     effective_rate = rate if rate is not None else plan.workload.request_rate
     if plan.workload_file and rate is None:
         effective_rate = math.nan  # the file's own arrival times
@@ -112,6 +118,8 @@ def run_point(plan: Plan, out_dir: Path, rate: float | None = None, label: str =
                "workload": plan.workload_file or plan.workload.kind.value,
                "load_mode": plan.load.mode.value, "seed": plan.workload.seed})
     summary = summarize(result.records, info, plan.slo)
+    if bubbles:
+        summary["bubble_fraction"] = bubbles  # worker -> per stage, over the run
     out_dir.mkdir(parents=True, exist_ok=True)
     report.write_json(out_dir / "summary.json", summary)
     report.write_records(out_dir / "requests.jsonl", result.records)

@@ -206,8 +206,10 @@ class PipelineRunner:
                               timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT_S))
         try:
             # Stage 0 builds its runner first: `deterministic` resolved here is every stage's.
+            self._threads = threads
             if shares[0] is not None:
                 os.sched_setaffinity(0, shares[0])
+                torch.set_num_threads(len(shares[0]))
             self.runner = ModelRunner(config, model_config, state_dict, max_model_len, num_blocks,
                                       consume_weights=consume_weights, stage=self.stages[0])
             child_config = replace(config, deterministic=self.runner.deterministic)
@@ -411,6 +413,7 @@ class PipelineRunner:
         if self._affinity is not None:
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, self._affinity)
+            torch.set_num_threads(getattr(self, "_threads", torch.get_num_threads()))
 
 
 # --- stages 1 .. N-1 --------------------------------------------------------------------------

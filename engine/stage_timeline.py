@@ -56,11 +56,14 @@ class StageTimeline:
         if window is None:
             wall = now - self.since
             return [max(0.0, wall - b) / wall if wall > 0 else 0.0 for b in self.busy]
-        start = max(self.since, now - window)
-        wall = now - start
+        return self.between(max(self.since, now - window), now)
+
+    def between(self, start: float, end: float) -> list[float]:
+        """idle / wall per stage over [start, end], from the recent intervals (a benchmark's run)."""
+        wall = end - start
         busy = [0.0] * self.num_stages
         for iv in self.recent:
-            overlap = min(iv.end, now) - max(iv.start, start)
+            overlap = min(iv.end, end) - max(iv.start, start)
             if overlap > 0:
                 busy[iv.stage] += overlap
         return [max(0.0, wall - b) / wall if wall > 0 else 0.0 for b in busy]

@@ -18,13 +18,14 @@ Channels:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 from pdserve.protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 7  # 7: KVTransfer.receiver_id, epochs on worker frames and Abort; 6: SamplingParams.structured (structured outputs); 5: retryable error causes, trace context; 4: work carries output_token_ids (migration); 3: router epochs (RegisterAck, work, KVTransfer), HeartbeatAck; 2: Register lost health_address
+MAX_STAGES = 64  # pipeline stages a heartbeat may report
+PROTOCOL_VERSION = 8  # 8: pipeline stages' busy/idle seconds on Heartbeat; 7: KVTransfer.receiver_id, epochs on worker frames and Abort; 6: SamplingParams.structured (structured outputs); 5: retryable error causes, trace context; 4: work carries output_token_ids (migration); 3: router epochs (RegisterAck, work, KVTransfer), HeartbeatAck; 2: Register lost health_address
 
 Role = Literal["prefill", "decode", "colocated"]
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -93,6 +94,10 @@ class Heartbeat(_Msg, tag="heartbeat", frozen=True):
     kv_bytes_sent: int = 0
     kv_bytes_received: int = 0
     kv_transfer_seconds: float = 0.0
+    # Per pipeline stage, cumulative busy and idle seconds (engine/stage_timeline.py; empty
+    # without stages): the router exports them, `pdserve bench` turns them into bubble fractions.
+    stage_busy_seconds: Annotated[tuple[float, ...], msgspec.Meta(max_length=MAX_STAGES)] = ()
+    stage_idle_seconds: Annotated[tuple[float, ...], msgspec.Meta(max_length=MAX_STAGES)] = ()
     # The epoch of the router it is for (WorkerLink stamps it once registered; "" before): another
     # router drops it, so a frame captured on its way to one router cannot be replayed to another.
     epoch: str = ""

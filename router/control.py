@@ -436,6 +436,11 @@ class ControlServer:
         for field, direction in (("kv_bytes_sent", "sent"), ("kv_bytes_received", "received")):
             m.kv_bytes.labels(*labels, direction).inc(_delta(prev_hb, msg, field))
         m.kv_seconds.labels(*labels).inc(_delta(prev_hb, msg, "kv_transfer_seconds"))
+        for field, counter in (("stage_busy_seconds", m.stage_busy), ("stage_idle_seconds", m.stage_idle)):
+            old = getattr(prev_hb, field, ()) if prev_hb is not None else ()
+            for stage, new in enumerate(getattr(msg, field)):
+                before = old[stage] if stage < len(old) else 0.0
+                counter.labels(*labels, str(stage)).inc(max(0.0, new - before if new >= before else new))
 
     def _on_tokens(self, msg: TokenEvents, now: float) -> None:
         if not self.registry.touch(msg.worker_id, now):

@@ -101,6 +101,18 @@ class RouterMetrics:
             ["worker", "role"],
             registry=r,
         )
+        self.stage_busy = Counter(
+            "pdserve_stage_busy_seconds",
+            "Seconds a worker's pipeline stage computed micro-batches (from its heartbeats)",
+            ["worker", "role", "stage"],
+            registry=r,
+        )
+        self.stage_idle = Counter(
+            "pdserve_stage_idle_seconds",
+            "Seconds a worker's pipeline stage waited: bubbles, and no work (from its heartbeats)",
+            ["worker", "role", "stage"],
+            registry=r,
+        )
         self.worker_failures = Counter(
             "pdserve_router_worker_failures_total",
             "Workers taken out of rotation (missed heartbeats)",

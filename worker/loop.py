@@ -334,10 +334,13 @@ class Worker(ABC):
     def _heartbeat(self) -> Heartbeat:
         load = self._load
         sent, received, seconds = self.kv_counters()
+        pipe = self.engine.pipeline
+        busy, idle = (tuple(pipe.timeline.busy), tuple(pipe.timeline.idle())) if pipe is not None else ((), ())
         return Heartbeat(
             worker_id=self.worker_id, free_blocks=load.free_blocks, total_blocks=load.total_blocks,
             queued_prefill_tokens=load.queued_prefill_tokens, running=load.running, waiting=load.waiting,
             draining=self._draining, kv_resident=load.kv_resident, kv_bytes_sent=sent, kv_bytes_received=received, kv_transfer_seconds=seconds,
+            stage_busy_seconds=busy, stage_idle_seconds=idle,
         )
 
     def _live(self) -> bool:
