@@ -34,13 +34,20 @@ class StageTimeline:
     def __init__(self, num_stages: int, since: float | None = None, clock=time.monotonic) -> None:
         self.num_stages = num_stages
         self.clock = clock
-        self.since = clock() if since is None else since
+        # The wall's start: given, or the first micro-batch's (a worker's loading is no bubble).
+        self._since = since
         self.busy = [0.0] * num_stages
         self.recent: deque[Interval] = deque(maxlen=MAX_INTERVALS)
+
+    @property
+    def since(self) -> float:
+        return self._since if self._since is not None else self.clock()
 
     def record(self, interval: Interval) -> None:
         if not 0 <= interval.stage < self.num_stages or interval.end < interval.start:
             raise ValueError(f"bad interval {interval}")
+        if self._since is None:
+            self._since = interval.start
         self.busy[interval.stage] += interval.end - interval.start
         self.recent.append(interval)
 

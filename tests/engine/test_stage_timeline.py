@@ -35,3 +35,13 @@ def test_the_timeline_window_and_bad_intervals():
         t.record(Interval(2, 4, 0.0, 1.0))  # no such stage
     with pytest.raises(ValueError):
         t.record(Interval(0, 4, 2.0, 1.0))  # ends before it starts
+
+
+def test_the_wall_starts_at_the_first_micro_batch():
+    """A worker's loading before its first micro-batch is not a bubble."""
+    now = [100.0]
+    t = StageTimeline(2, clock=lambda: now[0])
+    assert t.idle() == [0.0, 0.0]
+    t.record(Interval(0, 1, 104.0, 105.0))
+    now[0] = 106.0
+    assert t.idle() == [1.0, 2.0] and t.bubble_fraction() == [0.5, 1.0]
