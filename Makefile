@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.pdserve-installed
 PROMPT  ?= What is the capital of France?
 
-.PHONY: setup up chat test test-fast lint bench clean
+.PHONY: setup up chat test test-fast lint bench gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -50,6 +50,16 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/pdserve bench compare --help
+
+# What bench/gpu_check.sh carries to a GPU machine without internet (docs/gpu.md, "The device
+# check"): the dependencies a CUDA PyTorch image lacks, as wheels for its Python (GPU_PYTHON), and
+# the default model's stand-in; into .gpu-wheels/ (ignored by git, about 18 MiB).
+GPU_PYTHON ?= 3.12
+gpu-wheels: $(STAMP)
+	rm -rf .gpu-wheels
+	$(BIN)/python -m pdserve.bench.gpu_wheels download .gpu-wheels/wheels --python-version $(GPU_PYTHON)
+	$(BIN)/python -m pdserve.bench.gpu_standin write .gpu-wheels/standin
+	PY=$(BIN)/python bash bench/gpu_check.sh --dry-run >/dev/null
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -113,6 +113,7 @@ def machine_bandwidth(repeats: int, tensors: tuple[torch.Tensor, ...]) -> float:
 def step_cost(engine: Engine, tokens: int, sampled_rows: int, context: int, decode: bool) -> tuple[float, float]:
     """(FLOPs, bytes) of one step: weight matmuls, attention, and for decode the KV it reads."""
     model, cfg = engine.runner.model, engine.runner.model.config
+    assert model.lm_head is not None, "one stage: the whole model"
     elem = engine.runner.kv_cache.element_size()
     layer_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head)
     head_params = model.lm_head.weight.numel()
@@ -129,6 +130,7 @@ def bare_matmuls(engine: Engine, tokens: int, sampled_rows: int, repeats: int) -
     """Median seconds of every weight matmul of the model for `tokens` tokens, each through the
     model's own Linear (so oneDNN-packed where the runner packed them)."""
     model = engine.runner.model
+    assert model.lm_head is not None, "one stage: the whole model"
     linears = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
     dtype = model.lm_head.weight.dtype
     x = {m.weight.shape[1]: torch.randn(tokens, m.weight.shape[1], dtype=dtype) for m in linears}

@@ -36,7 +36,10 @@ class EngineConfig:
     dtype: str = "auto"  # resolved per device by model/config.py resolve_dtype
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: computed from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
+    # None: 1 GB off CUDA (set in __post_init__); on CUDA, gpu_memory_utilization of the device
+    # (engine/device.py kv_cache_blocks). Given, it wins on CUDA too.
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -48,6 +51,7 @@ class EngineConfig:
     cpu_kernels: str = "auto"
     require_cpu_kernels: bool = False  # no fallback to the PyTorch reference when they cannot load
     kernel_cache: str | None = None  # where a local build of the kernels goes (~/.cache/pdserve/kernels)
+    triton_cache: str | None = None  # Triton's compiled kernels (TRITON_CACHE_DIR; None: Triton's ~/.triton/cache)
     cpu_linear: str = "auto"
     fused_ops: bool = True  # RMSNorm, SiLU-mul, rotary (and on the CPU whole layers) compiled
     kv_prefetch: bool = True  # the next layer's KV read ahead under the MLP (tile kernels only)
@@ -75,8 +79,12 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.kv_cache_memory_gb <= 0 and self.num_kv_blocks is None:
+        if self.kv_cache_memory_gb is None and not self.device.startswith("cuda"):
+            object.__setattr__(self, "kv_cache_memory_gb", 1.0)  # frozen: set once, here
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0 and self.num_kv_blocks is None:
             raise ConfigError("--kv-cache-memory-gb must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("--max-model-len must be at least 2")
         if self.pipeline_parallel_size < 1:
@@ -100,7 +108,12 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("dtype", "--dtype", str, "weights, activations and KV cache; auto: bfloat16 on CUDA and on CPUs that compute "
                               "it natively (AVX512-BF16, AMX), float32 elsewhere"),
     ("block_size", "--block-size", int, "tokens per KV block"),
-    ("kv_cache_memory_gb", "--kv-cache-memory-gb", float, "KV cache budget"),
+    ("kv_cache_memory_gb", "--kv-cache-memory-gb", float, "KV cache budget (default: 1 on the CPU; on CUDA "
+                                                          "sized by --gpu-memory-utilization); wins where given"),
+    ("gpu_memory_utilization", "--gpu-memory-utilization", float, "CUDA: the fraction of the device's memory this "
+                                                                  "worker may take, weights and KV cache (vLLM's "
+                                                                  "option); pdserve up splits it among the workers "
+                                                                  "it puts on one GPU"),
     ("max_model_len", "--max-model-len", int, "context length cap (0: the model's)"),
     ("max_num_seqs", "--max-num-seqs", int, "running requests per step"),
     ("max_num_batched_tokens", "--max-num-batched-tokens", int, "token budget of one step"),
@@ -110,6 +123,8 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("require_cpu_kernels", "--require-cpu-kernels", bool, "fail instead of running the PyTorch reference where "
                                                           "the compiled CPU kernels cannot load"),
     ("kernel_cache", "--kernel-cache", str, "folder for kernels built here (default ~/.cache/pdserve/kernels)"),
+    ("triton_cache", "--triton-cache", str, "folder for Triton's compiled kernels, which a worker fills before it "
+                                            "reports ready (default Triton's, ~/.triton/cache)"),
     ("cpu_linear", "--cpu-linear", str, "the CPU projections: tiles (or amx: bfloat16 tiles on AMX / AVX512-BF16), "
                                         "pdserve (compiled panels), onednn (oneDNN's packed matmul), mkl (the plain "
                                         "weight) or auto: tiles for bfloat16 where they run natively, else onednn on "
@@ -169,6 +184,7 @@ def engine_config(args: argparse.Namespace, policy: str | None = None) -> Engine
     values["max_model_len"] = values["max_model_len"] or None  # 0 on the command line: the model's
     values["attention_backend"] = values["attention_backend"] or None
     values["kernel_cache"] = values["kernel_cache"] or None
+    values["triton_cache"] = values["triton_cache"] or None
     values["pp_layer_split"] = values["pp_layer_split"] or None
     return EngineConfig(
         **values,

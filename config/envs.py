@@ -23,6 +23,7 @@ VARIABLES: dict[str, str] = {
     "PDSERVE_SECRET": "the deployment secret itself (what `pdserve up` hands its children; "
                       "--secret-file is the flag, a secret never goes on a command line)",
     "TRITON_INTERPRET": "Triton's own: 1 runs Triton kernels on the CPU (tests and kernel_bench)",
+    "TRITON_CACHE_DIR": "Triton's own: where it keeps compiled kernels; a worker sets it from --triton-cache",
 }
 
 _TRUE = {"1", "true", "yes", "on"}

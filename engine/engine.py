@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.kv_cache import kv_block_bytes
+from pdserve.engine.device import kv_cache_blocks, weights_bytes
 from pdserve.engine.kv_connector import KVConnector, KVSave
 from pdserve.engine.policies import make_policy
 from pdserve.engine.request import Request, RequestStatus
@@ -115,10 +115,8 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = tuple(loaded.tokenizer.stop_token_ids)
         self.max_model_len = context_length(config, loaded.config)
-        num_blocks = config.num_kv_blocks or max(
-            1, int(config.kv_cache_memory_gb * 2**30) // kv_block_bytes(loaded.config, config.block_size,
-                                                                         torch_dtype(config.dtype))
-        )
+        dtype = torch_dtype(config.dtype)
+        num_blocks = kv_cache_blocks(config, loaded.config, dtype, weights_bytes(loaded.state_dict, dtype))
         policy = make_policy(config.policy)
         self.connector = connector or KVConnector.none()
         self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)

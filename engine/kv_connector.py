@@ -23,11 +23,24 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
+    import torch
+
     from pdserve.engine.request import Request
-    from pdserve.engine.runner import ModelRunner
+
+
+class BlockStore(Protocol):
+    """Where the connectors read and write whole KV blocks: a ModelRunner, or a PipelineRunner
+    over every stage's layers (engine/pipeline.py)."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    def read_blocks(self, block_ids) -> torch.Tensor: ...
+
+    def write_blocks(self, block_ids, payload: torch.Tensor) -> None: ...
 
 
 class KVLoad(NamedTuple):
@@ -88,15 +101,15 @@ class KVConnectorWorker(ABC):
     """The worker's half: moves tensors between the KV cache and the outside world."""
 
     @abstractmethod
-    def load(self, loads: list[KVLoad], runner: ModelRunner) -> dict[str, str]:
+    def load(self, loads: list[KVLoad], runner: BlockStore) -> dict[str, str]:
         """Write each load's KV into its blocks before the step runs. Returns the loads that
         failed, request id -> reason; those requests must not run."""
 
     @abstractmethod
-    def save(self, saves: list[KVSave], runner: ModelRunner) -> None:
+    def save(self, saves: list[KVSave], runner: BlockStore) -> None:
         """Ship each saved request's blocks out (after the step's outputs are published)."""
 
-    def offload(self, offloads: list[KVSave], runner: ModelRunner) -> None:
+    def offload(self, offloads: list[KVSave], runner: BlockStore) -> None:
         """Copy pre-empted requests' blocks out before the step reuses them."""
         if offloads:
             raise AssertionError(f"{type(self).__name__} keeps no pre-empted KV")
@@ -117,10 +130,10 @@ class NoConnector(KVConnectorScheduler, KVConnectorWorker):
     def take_released(self) -> list[str]:
         return []
 
-    def load(self, loads: list[KVLoad], runner: ModelRunner) -> dict[str, str]:
+    def load(self, loads: list[KVLoad], runner: BlockStore) -> dict[str, str]:
         return {}
 
-    def save(self, saves: list[KVSave], runner: ModelRunner) -> None:
+    def save(self, saves: list[KVSave], runner: BlockStore) -> None:
         pass
 
 

@@ -103,8 +103,8 @@ def stage_cores(cores: list[int], stages: int) -> list[list[int] | None]:
 # --- the links ------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Links:
-    fwd: dist.ProcessGroup
-    kv: dist.ProcessGroup
+    fwd: dist.ProcessGroupGloo
+    kv: dist.ProcessGroupGloo
     store: dist.Store
 
 
@@ -114,8 +114,8 @@ def connect(rank: int, world: int, port: int, store: dist.Store | None = None) -
     if store is None:
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
 
-    def group(name: str) -> dist.ProcessGroup:
-        opts = dist.ProcessGroupGloo._Options()
+    def group(name: str) -> dist.ProcessGroupGloo:
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = datetime.timedelta(seconds=LINK_TIMEOUT_S)
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world, opts)
@@ -130,12 +130,12 @@ def _wait(work, what: str) -> None:
         raise PipelineBroken(f"pipeline link failed ({what}): {exc}") from exc
 
 
-def _send(group: dist.ProcessGroup, tensor: torch.Tensor, dst: int):
-    return group.send([tensor], dst, 0)
+def _send(group: dist.ProcessGroupGloo, tensor: torch.Tensor, dst: int):
+    return group.send([tensor], dst, 0)  # type: ignore[attr-defined]
 
 
-def _recv(group: dist.ProcessGroup, tensor: torch.Tensor, src: int, what: str) -> torch.Tensor:
-    _wait(group.recv([tensor], src, 0), what)
+def _recv(group: dist.ProcessGroupGloo, tensor: torch.Tensor, src: int, what: str) -> torch.Tensor:
+    _wait(group.recv([tensor], src, 0), what)  # type: ignore[attr-defined]
     return tensor
 
 
@@ -280,9 +280,13 @@ class PipelineRunner:
         if self.broken is not None:
             raise PipelineBroken(self.broken)
 
-    # What the engine and the connectors read of a runner.
+    @property
+    def block_size(self) -> int:
+        return self.runner.block_size
+
+    # What the engine and the benchmarks read of a runner.
     def __getattr__(self, name: str):
-        if name in ("dtype", "device", "block_size", "cpu_linear", "deterministic", "kv_cache_resident", "backend",
+        if name in ("dtype", "device", "cpu_linear", "deterministic", "kv_cache_resident", "backend",
                     "model", "sampler", "compiled_layers", "config"):
             return getattr(self.runner, name)
         raise AttributeError(name)
@@ -307,7 +311,7 @@ class PipelineRunner:
         self._post(fwd, torch.zeros(self.num_stages, 2, dtype=torch.float64), 1)
         return MicroBatch(mb, step, started, ended, self._posted)
 
-    def _post(self, group: dist.ProcessGroup, tensor: torch.Tensor, dst: int) -> None:
+    def _post(self, group: dist.ProcessGroupGloo, tensor: torch.Tensor, dst: int) -> None:
         """Send without waiting (gloo sends once the peer takes it, in order per peer)."""
         try:
             self._sends.append((_send(group, tensor, dst), tensor))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config.engine import EngineConfig
+from pdserve.engine.device import HostPart, StepUploader, select_device
 from pdserve.engine.host_memory import keep_step_memory
 from pdserve.engine.kv_cache import BlockIds, gather_blocks, scatter_blocks
 from pdserve.engine.request import Request
@@ -55,6 +56,7 @@ class PackedStep:
     num_decode_rows: int
     sample_rows: array
     samplers: list[Request]
+    device_rows: torch.Tensor | None = None  # sample_rows on the device, once forward() uploaded them
 
     @property
     def num_tokens(self) -> int:
@@ -66,7 +68,8 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, state_dict, max_model_len: int, num_blocks: int,
                  consume_weights: bool = False, stage: StageLayers | None = None) -> None:
-        self.device = torch.device(config.device)
+        self.device = select_device(config.device)  # cuda:N: the current device is N from here on
+        self.uploader = StepUploader(self.device)
         if self.device.type == "cpu":
             keep_step_memory()
         self.dtype = torch_dtype(resolve_dtype(config.dtype, config.device))
@@ -234,23 +237,25 @@ class ModelRunner:
         table = _tensor(step.tables, torch.int32).view(-1, step.width) if step.width else torch.empty(0, 0, dtype=torch.int32)
         lens = _tensor(step.seq_lens, torch.int32)
         nd = step.num_decode_rows
-        dev = self.device
+        # One upload (on CUDA: one pinned buffer, one non-blocking copy; on the CPU: views).
+        ids, positions, slots, dlens, plens, dtab, ptab, cu, rows = self.uploader.upload([
+            HostPart(step.input_ids if hidden is None else array("q"), torch.int64),
+            HostPart(step.positions, torch.int64), HostPart(step.slots, torch.int64),
+            HostPart(lens[:nd], torch.int32), HostPart(lens[nd:], torch.int32),
+            HostPart(table[:nd], torch.int32), HostPart(table[nd:], torch.int32),
+            HostPart(step.cu, torch.int32), HostPart(step.sample_rows, torch.int64),
+        ])
+        step.device_rows = rows
         meta = AttentionMetadata(
-            slot_mapping=_tensor(step.slots, torch.int64).to(dev),
+            slot_mapping=slots,
             num_decode_tokens=nd,
-            decode_seq_lens=lens[:nd].to(dev),
-            decode_block_tables=table[:nd].to(dev),
-            prefill_cu_seqlens_q=_tensor(step.cu, torch.int32).to(dev),
-            prefill_seq_lens=lens[nd:].to(dev),
-            prefill_block_tables=table[nd:].to(dev),
+            decode_seq_lens=dlens,
+            decode_block_tables=dtab,
+            prefill_cu_seqlens_q=cu,
+            prefill_seq_lens=plens,
+            prefill_block_tables=ptab,
         )
-        return self.model(
-            _tensor(step.input_ids, torch.long).to(dev) if hidden is None else None,
-            _tensor(step.positions, torch.long).to(dev),
-            meta,
-            self.kv_cache,
-            hidden=hidden,
-        )
+        return self.model(ids if hidden is None else None, positions, meta, self.kv_cache, hidden=hidden)
 
     @torch.inference_mode()
     def sample(self, step: PackedStep, hidden: torch.Tensor, rows_only: bool = False) -> tuple[list[Request], SampleResult | None]:
@@ -262,7 +267,10 @@ class ModelRunner:
         # Every row samples in a decode-only step (rows ascend, so they are all of them in order):
         # no gather, whose code and data would come from DRAM right after the layers have streamed
         # every weight through the caches.
-        dev = self.device
-        rows = hidden if rows_only or len(sample_rows) == hidden.shape[0] else hidden[_tensor(sample_rows, torch.long).to(dev)]
+        if rows_only or len(sample_rows) == hidden.shape[0]:
+            rows = hidden
+        else:
+            index = step.device_rows if step.device_rows is not None else _tensor(sample_rows, torch.long).to(self.device)
+            rows = hidden[index]
         logits = self.model.compute_logits(rows)
         return samplers, self.sampler(logits, samplers)

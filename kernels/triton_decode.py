@@ -171,6 +171,16 @@ def num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device
     return max(1, min(wanted, triton.cdiv(max_len, BLOCK_N), MAX_SPLITS))
 
 
+def step_splits(batch: int, num_kv_heads: int, table_width: int, block_size: int, window: int,
+                device: torch.device) -> int:
+    """The split count of a step: num_splits over the longest sequence the step can hold, which
+    the block table's width bounds without reading seq_lens on the host."""
+    max_len = table_width * block_size
+    if window > 0:  # a window spans at most W keys from a tile-aligned start
+        max_len = min(max_len, window + BLOCK_N - 1)
+    return num_splits(batch, num_kv_heads, max_len, device)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -189,12 +199,8 @@ def decode_attention(
         return out
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    # The table's width bounds every sequence's length without reading seq_lens on the host.
-    max_len = block_tables.shape[1] * block_size
-    if window > 0:  # a window spans at most W keys from a tile-aligned start
-        max_len = min(max_len, window + BLOCK_N - 1)
     if splits is None:
-        splits = num_splits(batch, num_kv_heads, max_len, q.device)
+        splits = step_splits(batch, num_kv_heads, block_tables.shape[1], block_size, window, q.device)
     part_o = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
     block_d = pow2_at_least(head_dim, 16)  # tl.dot needs every extent >= 16

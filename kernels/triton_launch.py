@@ -25,10 +25,39 @@ def is_interpreted(kernel: Any) -> bool:
     return InterpretedFunction is not None and isinstance(kernel, InterpretedFunction)
 
 
+class OnDevice:
+    """`kernel[grid](*args)` launched with `index` as the current CUDA device. Triton launches on
+    the current device (and its current stream) whatever its tensors' device, so an engine on
+    cuda:1 in a thread whose current device is cuda:0 would run its kernels on cuda:0 against
+    cuda:1's memory."""
+
+    __slots__ = ("index", "kernel")
+
+    def __init__(self, kernel: Any, index: int) -> None:
+        self.kernel, self.index = kernel, index
+
+    def __getitem__(self, grid: Any) -> Any:
+        launch = self.kernel[grid]
+
+        def on_device(*args: Any, **kwargs: Any) -> Any:
+            with torch.cuda.device(self.index):
+                return launch(*args, **kwargs)
+
+        return on_device
+
+
 def for_device(kernel: Any, device: torch.device) -> Any:
-    """`kernel`, after checking that it can run on tensors on `device`."""
-    if device.type == "cuda" or (device.type == "cpu" and is_interpreted(kernel)):
-        return kernel
+    """`kernel`, after checking that it can run on tensors on `device`, launched on it. Every
+    launch passes the device of its own tensor arguments (q.device, x.device...). On CUDA the
+    kernel runs on that device: as it is where that is already the current device (select_device
+    makes the engine's device current, so a worker's launches cost nothing more), else wrapped
+    to switch to it for the launch (OnDevice)."""
+    if device.type in ("cuda", "cpu") and is_interpreted(kernel):
+        return kernel  # the interpreter runs on the host, whatever the tensors' device
+    if device.type == "cuda":
+        if device.index is None or device.index == torch.cuda.current_device():
+            return kernel
+        return OnDevice(kernel, device.index)
     if device.type == "cpu":
         raise ValueError(
             "triton kernels run on CPU tensors only in Triton's interpreter: set TRITON_INTERPRET=1 "

@@ -35,6 +35,7 @@ import torch
 
 from pdserve.engine.kv_cache import KVPayloadError
 from pdserve.engine.kv_connector import (
+    BlockStore,
     KVConnectorMetadata,
     KVConnectorScheduler,
     KVConnectorWorker,
@@ -42,7 +43,6 @@ from pdserve.engine.kv_connector import (
     KVSave,
 )
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.runner import ModelRunner
 from pdserve.kvtransfer.tensors import describe
 from pdserve.kvtransfer.transport import KVSender, ReceivedKV, make_sender
 from pdserve.protocol.auth import FrameAuth
@@ -161,10 +161,10 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
         return out
 
     # --- worker half -------------------------------------------------------------------------
-    def load(self, loads: list[KVLoad], runner: ModelRunner) -> dict[str, str]:
+    def load(self, loads: list[KVLoad], runner: BlockStore) -> dict[str, str]:
         raise AssertionError("a prefill worker loads no KV")
 
-    def save(self, saves: list[KVSave], runner: ModelRunner) -> None:
+    def save(self, saves: list[KVSave], runner: BlockStore) -> None:
         published = time.time()  # the engine saves only after the step's tokens were handed on
         for save in saves:
             req = save.request
@@ -180,7 +180,7 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
                 self._released.append(req.request_id)
                 self._failed.append(HandoffResult(req.request_id, False, f"cannot send the KV: {exc}"))
 
-    def _ship(self, req: Request, block_ids: list[int], target: HandoffTarget, runner: ModelRunner) -> None:
+    def _ship(self, req: Request, block_ids: list[int], target: HandoffTarget, runner: BlockStore) -> None:
         payload = runner.read_blocks(block_ids)
         meta = KVTransfer(
             request_id=req.request_id, prefill_worker_id=self.worker_id,
@@ -262,14 +262,14 @@ class DecodeConnector(KVConnectorScheduler, KVConnectorWorker):
         return []
 
     # --- worker half -------------------------------------------------------------------------
-    def offload(self, offloads: list[KVSave], runner: ModelRunner) -> None:
+    def offload(self, offloads: list[KVSave], runner: BlockStore) -> None:
         for save in offloads:
             rid = save.request.request_id
             _, n = self.offloaded[rid]
             self.offloaded[rid] = (runner.read_blocks(save.block_ids[: -(-n // runner.block_size)]), n)
             self.num_offloads += 1
 
-    def load(self, loads: list[KVLoad], runner: ModelRunner) -> dict[str, str]:
+    def load(self, loads: list[KVLoad], runner: BlockStore) -> dict[str, str]:
         failures: dict[str, str] = {}
         for load in loads:
             kept = self.offloaded.pop(load.request_id, None)
@@ -297,5 +297,5 @@ class DecodeConnector(KVConnectorScheduler, KVConnectorWorker):
             self._results.append(HandoffResult(load.request_id, True, ""))
         return failures
 
-    def save(self, saves: list[KVSave], runner: ModelRunner) -> None:
+    def save(self, saves: list[KVSave], runner: BlockStore) -> None:
         raise AssertionError("a decode worker saves no KV")

@@ -374,7 +374,7 @@ class LlamaForCausalLM(nn.Module):
         # Each residual add goes with the norm after it (RMSNorm.add_norm_); x, the embeddings'
         # output, is this step's own, updated in place.
         layers = [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
-        after: list[RMSNorm | None] = [layer.input_layernorm for layer in layers[1:]] + [norm]
+        after: list[RMSNorm | None] = [*(layer.input_layernorm for layer in layers[1:]), norm]
         h = layers[0].input_layernorm(x) if layers else x
         local = self.model.rotary_local
         for layer, after_norm in zip(layers, after, strict=True):

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 class Child:
     name: str
     argv: list[str]
-    core: int | None = None  # pinned to this CPU core
+    core: tuple[int, ...] | None = None  # pinned to these CPU cores
     popen: subprocess.Popen | None = None
     started_at: float = 0.0
     restarts: int = 0
@@ -38,7 +38,7 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, children: Sequence[tuple[str, list[str], int | None]], env: dict[str, str], *,
+    def __init__(self, children: Sequence[tuple[str, list[str], tuple[int, ...] | None]], env: dict[str, str], *,
                  min_backoff: float = 1.0, max_backoff: float = 30.0, stable_after: float = 60.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.children = [Child(name, list(argv), core) for name, argv, core in children]
@@ -91,9 +91,9 @@ class Supervisor:
                     p.wait()
 
     def _spawn(self, child: Child) -> None:
-        pre = (lambda c=child.core: os.sched_setaffinity(0, {c})) if child.core is not None else None
+        pre = (lambda c=child.core: os.sched_setaffinity(0, set(c))) if child.core is not None else None
         child.popen = subprocess.Popen(child.argv, preexec_fn=pre, start_new_session=True, env=self.env)
         child.started_at = self._clock()
         child.restart_at = None
         log.info("started %s (pid %d%s)", child.name, child.pid,
-                 f", core {child.core}" if child.core is not None else "")
+                 f", cores {','.join(map(str, child.core))}" if child.core is not None else "")

@@ -18,12 +18,14 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import httpx
 
 from pdserve.config import envs
 from pdserve.config.engine import (
     ConfigError,
+    EngineConfig,
     add_engine_arguments,
     add_policy_arguments,
     engine_argv,
@@ -40,6 +42,7 @@ from pdserve.config.router import (
 )
 from pdserve.config.tracing import add_tracing_arguments, tracing_argv, tracing_options
 from pdserve.config.worker import SECRET_ENV, WorkerOptions, worker_argv
+from pdserve.gpus import Placement, gpus_for, place_workers
 from pdserve.protocol.auth import new_secret
 from pdserve.supervisor import Supervisor
 
@@ -61,6 +64,17 @@ def register(sub) -> None:
     p.add_argument("--num-decode", type=int, default=flag_default("num-decode", 1),
                    help="decode workers (colocated workers with --colocated)")
     p.add_argument("--kv-transport", default=flag_default("kv-transport", "shm"), choices=KV_TRANSPORTS)
+    p.add_argument("--gpus", default=flag_default("gpus", ""),
+                   help="with --device cuda: the GPUs to spread the workers over, e.g. 0,1 (default: every visible "
+                        "one); one worker per GPU, in turn, those sharing a GPU splitting --gpu-memory-utilization "
+                        "(pdserve/gpus.py)")
+    p.add_argument("--prefill-pipeline-parallel-size", type=int,
+                   default=flag_default("prefill-pipeline-parallel-size", 0),
+                   help="pipeline stages of each prefill worker (0: --pipeline-parallel-size's)")
+    p.add_argument("--decode-pipeline-parallel-size", type=int,
+                   default=flag_default("decode-pipeline-parallel-size", 0),
+                   help="pipeline stages of each decode worker, and of each colocated worker with --colocated "
+                        "(0: --pipeline-parallel-size's)")
     p.add_argument("--no-pin", action="store_true",
                    help="do not pin processes to cores (by default decode workers get cores of their own; "
                         "prefill workers and the router share the rest)")
@@ -80,8 +94,13 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def plan(args) -> list[tuple[str, list[str], int | None]]:
-    """(name, argv, cpu core or None) of every child process."""
+def core_set(pool: list[int], start: int, count: int) -> tuple[int, ...]:
+    """`count` cores of `pool` from index `start`, wrapping round (repeats dropped)."""
+    return tuple(sorted({pool[(start + k) % len(pool)] for k in range(count)}))
+
+
+def plan(args) -> list[tuple[str, list[str], tuple[int, ...] | None]]:
+    """(name, argv, the CPU cores it is pinned to or None) of every child process."""
     base = [sys.executable, "-m", "pdserve", "--log-level", logging.getLevelName(logging.getLogger().level)]
     control = private_control_address()
     workers = args.num_decode + (0 if args.colocated else args.num_prefill)
@@ -93,38 +112,70 @@ def plan(args) -> list[tuple[str, list[str], int | None]]:
     traces = tracing_options(args)
     router += tracing_argv(traces, "router")
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    base_stages = args.pipeline_parallel_size
+    stages = {"prefill": args.prefill_pipeline_parallel_size or base_stages,
+              "decode": args.decode_pipeline_parallel_size or base_stages}
     if args.colocated:
-        # One engine does everything: give it every core (threads), pin nothing.
+        # One engine does everything: give it every core (threads), pin nothing (its pipeline
+        # stages, if any, split the cores among themselves: engine/pipeline.py).
         threads = args.threads or len(cores)
-        pins: list[int | None] = [None] * args.num_decode
-        router_core = None
+        pins: list[tuple[int, ...] | None] = [None] * args.num_decode
+        router_core: tuple[int, ...] | None = None
     else:
         # Decode workers get cores of their own (their steps set TBT); prefill workers and the
-        # router share what is left, so neither ever preempts a decode step.
+        # router share what is left, so neither ever preempts a decode step. A worker of S
+        # pipeline stages gets S cores of its pool (wrapping round where the pool is smaller:
+        # its stages share them), one a stage.
         threads = args.threads or 1
-        n_dec = min(args.num_decode, max(1, len(cores) - 1))
+        n_dec = min(args.num_decode * stages["decode"], max(1, len(cores) - 1))
         dec_cores, rest = cores[len(cores) - n_dec:], cores[: len(cores) - n_dec] or cores
-        pins = [rest[i % len(rest)] for i in range(args.num_prefill)]
-        pins += [dec_cores[i % len(dec_cores)] for i in range(args.num_decode)]
-        router_core = rest[0]
+        pins = [core_set(rest, i * stages["prefill"], stages["prefill"]) for i in range(args.num_prefill)]
+        pins += [core_set(dec_cores, i * stages["decode"], stages["decode"]) for i in range(args.num_decode)]
+        router_core = (rest[0],)
     if args.no_pin:
         pins = [None] * len(pins)
         router_core = None
-    engine = engine_argv(engine_config(args), threads=threads)
-    children: list[tuple[str, list[str], int | None]] = [("router", router, router_core)]
+    config = engine_config(args)
+    engine = engine_argv(config, threads=threads)
+    children: list[tuple[str, list[str], tuple[int, ...] | None]] = [("router", router, router_core)]
     roles = [("decode", i) for i in range(args.num_decode)]
     if not args.colocated:
         roles = [("prefill", i) for i in range(args.num_prefill)] + roles
+    placements = gpu_placements(args, config, len(roles))
     for n, (role, i) in enumerate(roles):
         transports = (args.kv_transport,) if role == "decode" else KV_TRANSPORTS
         options = WorkerOptions(router_address=control, host="127.0.0.1", kv_transports=transports,
                                 worker_id=f"{role}-{i}", drain_timeout=args.drain_timeout)
-        cmd = [*base, role, *worker_argv(options), *engine, *tracing_argv(traces, f"{role}-{i}")]
+        on_gpu = engine if placements is None else engine_argv(
+            replace(config, device=placements[n].device, gpu_memory_utilization=placements[n].gpu_memory_utilization),
+            threads=threads)
+        cmd = [*base, role, *worker_argv(options), *on_gpu, *tracing_argv(traces, f"{role}-{i}")]
+        if stages[role] != base_stages:  # the later flag wins
+            cmd += ["--pipeline-parallel-size", str(stages[role])]
         if role == "decode" and args.colocated:
             cmd += ["--mode", "colocated", "--policy", args.policy,
                     "--waiting-served-ratio", str(args.waiting_served_ratio)]
         children.append((f"{role}-{i}", cmd, pins[n]))
     return children
+
+
+def gpu_placements(args, config: EngineConfig, num_workers: int) -> list[Placement] | None:
+    """Each worker's GPU and memory share (pdserve/gpus.py); None off CUDA."""
+    if not config.device.startswith("cuda"):
+        if args.gpus:
+            raise ConfigError("--gpus places workers on GPUs: it needs --device cuda")
+        return None
+
+    def count_visible() -> int:
+        import torch  # only here: `pdserve up` itself runs no model
+
+        return torch.cuda.device_count()
+
+    try:
+        gpus = gpus_for(config.device, args.gpus, count_visible)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return place_workers(num_workers, gpus, config.gpu_memory_utilization)
 
 
 def private_control_address() -> str:

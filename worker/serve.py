@@ -27,16 +27,20 @@ def serve(factory: WorkerFactory, args: argparse.Namespace, policy: str | None =
     import torch
 
     from pdserve.engine.pipeline import PipelineBroken
+    from pdserve.worker.warmup import use_triton_cache, warm_kernels  # a worker's imports
 
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         options = worker_options(args)  # refuses to run without a secret unless --insecure
         traces = tracing_options(args)
-        worker = factory(options, engine_config(args, policy))
+        config = engine_config(args, policy)
+        use_triton_cache(config)
+        worker = factory(options, config)
     except (ConfigError, ModelLoadError) as exc:
         print(f"pdserve: {exc}", file=sys.stderr)
         return 2
+    warm_kernels(worker.engine)  # before start(): registered and ready only once nothing compiles
     try:
         tracing.setup(f"pdserve-{worker.role}", worker.worker_id, otlp_endpoint=traces.traces_url,
                       trace_file=traces.trace_file)

@@ -21,6 +21,7 @@ import threading
 import msgspec
 import torch
 
+from pdserve.engine.device import on_kv_stream
 from pdserve.kvtransfer.payload import with_header
 from pdserve.kvtransfer.tensors import describe, validate_header
 from pdserve.kvtransfer.transport.base import TransportError, TransportUnavailable
@@ -103,12 +104,15 @@ class CudaIpcKVSender(ZmqKVSender):
 
     def _stage(self, meta: KVTransfer, payload: torch.Tensor) -> tuple[KVTransfer, list, object]:
         t = payload.detach()
-        if t.device.type != "cuda" or not t.is_contiguous():
-            t = t.to(self.device).contiguous()
-        header = describe(t)  # wsum64 on the device; also waits for the staging copy
-        (device, handle, size, offset, rc_handle, rc_offset, event, event_sync) = (
-            t.untyped_storage()._share_cuda_()
-        )
+        # The staging copy and the checksum run on the KV stream, not the engine's (the send's
+        # event has already been waited for: the payload is complete).
+        with on_kv_stream(t.device if t.device.type == "cuda" else self.device):
+            if t.device.type != "cuda" or not t.is_contiguous():
+                t = t.to(self.device).contiguous()
+            header = describe(t)  # wsum64 on the device; also waits for the staging copy
+            (device, handle, size, offset, rc_handle, rc_offset, event, event_sync) = (
+                t.untyped_storage()._share_cuda_()
+            )
         loc = CudaIpcLocation(
             process=_PROCESS,
             device=device,
@@ -167,16 +171,18 @@ class CudaIpcKVReceiver(ZmqKVReceiver):
                 raise TransportError("CUDA IPC handle from this process names no staged payload")
             return staged.view(dtype).view(meta.tensor.shape), None
         torch.cuda._lazy_init()
-        storage = torch.UntypedStorage._new_shared_cuda(
-            loc.device,
-            loc.handle,
-            loc.storage_size_bytes,
-            loc.storage_offset_bytes,
-            loc.ref_counter_handle,
-            loc.ref_counter_offset,
-            loc.event_handle,
-            loc.event_sync_required,
-        )
+        # On the KV stream: the wait on the sender's event goes there, before the checksum.
+        with on_kv_stream(torch.device("cuda", loc.device)):
+            storage = torch.UntypedStorage._new_shared_cuda(
+                loc.device,
+                loc.handle,
+                loc.storage_size_bytes,
+                loc.storage_offset_bytes,
+                loc.ref_counter_handle,
+                loc.ref_counter_offset,
+                loc.event_handle,
+                loc.event_sync_required,
+            )
         t = torch.empty(0, dtype=dtype, device=torch.device("cuda", loc.device))
         shape = meta.tensor.shape
         stride = [1] * len(shape)  # contiguous, as the sender staged it

@@ -34,6 +34,7 @@ import torch
 import zmq
 
 from pdserve.config.log_limits import RateLimitedLog
+from pdserve.engine.device import on_kv_stream
 from pdserve.kvtransfer.payload import fingerprint_mismatch, payload_shape_mismatch, with_header
 from pdserve.kvtransfer.tensors import (
     TensorFrameError,
@@ -142,7 +143,8 @@ class ZmqKVSender(KVSender):
     def _stage(self, meta: KVTransfer, payload: torch.Tensor) -> tuple[KVTransfer, list, object]:
         """Return the meta to send, the raw frames after it, and what to hold until done."""
         t = payload.detach()
-        t = (t if t.device.type == "cpu" else t.cpu()).contiguous()
+        with on_kv_stream(t.device):  # a device payload comes to the host on the KV stream
+            t = (t if t.device.type == "cpu" else t.cpu()).contiguous()
         meta = with_header(meta, tensor=describe(t))
         data = as_bytes(t).numpy().data
         return meta, [data[i : i + PAYLOAD_FRAME_BYTES] for i in range(0, len(data), PAYLOAD_FRAME_BYTES)] or [data], t
@@ -481,7 +483,8 @@ class ZmqKVReceiver(KVReceiver):
             reason = self._check(msg)
             if reason is None:
                 payload, release = self._open(msg, body[1:])
-                reason = verify_reason(msg.tensor, payload)
+                with on_kv_stream(payload.device):  # a device checksum runs on the KV stream
+                    reason = verify_reason(msg.tensor, payload)
         except (TensorFrameError, TransportError, msgspec.MsgspecError) as exc:
             reason = str(exc)
         except Exception as exc:  # anything else still ends in a prompt NACK, not a lease wait

@@ -483,6 +483,17 @@ def test_gpu_overlay_offers_between_pods_only_what_works_between_pods(gpu):
         assert host_id["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
 
 
+def test_gpu_workers_keep_tritons_cache_on_a_mounted_volume(gpu):
+    # The root filesystem is read-only; the warm-up compiles every kernel variant into this folder.
+    for name in WORKERS:
+        path = pod_env(gpu, name)["PDSERVE_TRITON_CACHE"]
+        pod = _pod(get_object(gpu, "Deployment", name))
+        mount = next(m for m in _containers(get_object(gpu, "Deployment", name))[0]["volumeMounts"]
+                     if m["mountPath"] == path)
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        assert "emptyDir" in volume and not mount.get("readOnly", False)
+
+
 def test_router_pairs_every_prefill_and_decode_pod_over_tcp_even_on_one_node(overlay):
     # The translated pods stand for pods of one node (k8s_render.LOCAL_NODE_NAME); still, no
     # pair may get a transport that needs one IPC namespace, /dev/shm or GPU set.
