@@ -75,13 +75,15 @@ class Slo:
         return ttft_s * 1e3 <= self.ttft_ms and p99 <= self.tbt_ms
 
 
-def engine_config(model: str, policy: str, stages: int, work: Workload, budget: int, block_size: int = 16):
+def engine_config(model: str, policy: str, stages: int, work: Workload, budget: int, block_size: int = 16,
+                  split: str | None = None):
     from pdserve.config.engine import EngineConfig
 
     longest = max(work.short_len, work.long_len) + work.output_len
     blocks = sum(-(-(work.prompt_len(i) + work.output_len) // block_size) for i in range(work.num_requests)) + 16
     whole = policy in (PREFILL_FIRST, MIXED)
     return EngineConfig(model=model, policy=policy, pipeline_parallel_size=stages, max_model_len=longest + block_size,
+                        pp_layer_split=split if stages > 1 else None,
                         num_kv_blocks=blocks, max_num_seqs=max(64, work.num_requests),
                         max_num_batched_tokens=max(budget, longest + block_size) if whole else budget)
 
@@ -129,13 +131,13 @@ def gantt(timeline, start: float, end: float, title: str, path: Path) -> Path:
     return path
 
 
-def colocated(loaded, model: str, policy: str, stages: int, work: Workload, budget: int):
+def colocated(loaded, model: str, policy: str, stages: int, work: Workload, budget: int, split: str | None = None):
     """One run: (outputs as (arrival, token times)), the engine's timeline and window."""
     from pdserve.engine.llm import LLM
     from pdserve.protocol.sampling import SamplingParams
 
     prompts, offsets = work.build(loaded.config.vocab_size)
-    llm = LLM(loaded=loaded, config=engine_config(model, policy, stages, work, budget))
+    llm = LLM(loaded=loaded, config=engine_config(model, policy, stages, work, budget, split=split))
     try:
         llm.generate([list(range(1000, 1000 + work.short_len))] * 2,
                      SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -149,7 +151,7 @@ def colocated(loaded, model: str, policy: str, stages: int, work: Workload, budg
         llm.engine.close()
 
 
-def disaggregated(loaded, model: str, stages: int, work: Workload, budget: int):
+def disaggregated(loaded, model: str, stages: int, work: Workload, budget: int, split: str | None = None):
     """A prefill engine and a decode-only engine of `stages` stages, KV over shared memory,
     driven as the two workers' loops would drive them, in this process."""
     from pdserve.engine.engine import Engine, context_length
@@ -170,7 +172,8 @@ def disaggregated(loaded, model: str, stages: int, work: Workload, budget: int):
     out_conn = PrefillConnector(fp, "prefill-bench", context_length(cfg, loaded.config), lease_s=30.0)
     prefill = Engine(cfg, loaded, KVConnector(out_conn, out_conn))
     in_conn = DecodeConnector()
-    decode = Engine(replace(cfg, policy=DECODE_ONLY, pipeline_parallel_size=stages), loaded,
+    decode = Engine(replace(cfg, policy=DECODE_ONLY, pipeline_parallel_size=stages,
+                            pp_layer_split=split if stages > 1 else None), loaded,
                     KVConnector(in_conn, in_conn))
     receiver = make_receiver("shm", "tcp://127.0.0.1:0", fingerprint=fp)
     params = SamplingParams(temperature=0.0, max_tokens=work.output_len, ignore_eos=True)
@@ -218,11 +221,11 @@ def disaggregated(loaded, model: str, stages: int, work: Workload, budget: int):
 
 
 def measure(loaded, model: str, name: str, work: Workload, policy: str, stages: int, budget: int, slo: Slo,
-            out: Path) -> Run:
+            out: Path, split: str | None = None) -> Run:
     if policy == DISAGGREGATED:
-        results, engine, (t0, t1) = disaggregated(loaded, model, stages, work, budget)
+        results, engine, (t0, t1) = disaggregated(loaded, model, stages, work, budget, split)
     else:
-        results, engine, (t0, t1) = colocated(loaded, model, policy, stages, work, budget)
+        results, engine, (t0, t1) = colocated(loaded, model, policy, stages, work, budget, split)
     first = min(a for a, _ in results)
     last = max(ts[-1] for _, ts in results)
     duration = last - first
@@ -245,7 +248,7 @@ def measure(loaded, model: str, name: str, work: Workload, policy: str, stages: 
     return run
 
 
-def long_prompt_ttft(loaded, model: str, tokens: int, budget: int, reps: int) -> dict:
+def long_prompt_ttft(loaded, model: str, tokens: int, budget: int, reps: int, split: str | None = None) -> dict:
     """TTFT of one `tokens`-token prompt: 2 stages with chunked pipelining against 1 process."""
     import torch
 
@@ -256,7 +259,7 @@ def long_prompt_ttft(loaded, model: str, tokens: int, budget: int, reps: int) ->
     result = {}
     for stages in (1, 2):
         cfg = replace(engine_config(model, CHUNKED, stages, Workload(num_requests=1, short_len=tokens, long_every=0,
-                                                                      output_len=1), budget))
+                                                                      output_len=1), budget, split=split))
         threads = torch.get_num_threads()
         llm = LLM(loaded=loaded, config=cfg)
         try:
@@ -295,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens of the TTFT comparison's prompt (0: skip it)")
     p.add_argument("--chunk", type=int, default=flag_default("chunk", 512), help="its chunk size")
     p.add_argument("--reps", type=int, default=flag_default("reps", 3))
+    p.add_argument("--pp-layer-split", default=flag_default("pp-layer-split", None),
+                   help="the 2 stages' layers, e.g. 12,18 (default: even)")
     p.add_argument("--out", default=flag_default("out", "bench-results/pipeline"))
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -315,9 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         for policy in args.policies.split(","):
             for stages in (1, 2):
                 t = time.time()
-                runs.append(measure(loaded, args.model, name, work, policy, stages, args.max_num_batched_tokens, slo, out))
+                runs.append(measure(loaded, args.model, name, work, policy, stages, args.max_num_batched_tokens, slo, out,
+                                    args.pp_layer_split))
                 print(f"{name} {policy} stages={stages}: {time.time() - t:.0f} s", file=sys.stderr, flush=True)
-    ttft = long_prompt_ttft(loaded, args.model, args.long_prompt, args.chunk, args.reps) if args.long_prompt else {}
+    ttft = (long_prompt_ttft(loaded, args.model, args.long_prompt, args.chunk, args.reps, args.pp_layer_split)
+            if args.long_prompt else {})
     header = ["workload", "policy", "stages", "req/s", "goodput", "TTFT p50", "TTFT p99", "TBT p50", "TBT p99",
               "bubbles", "hand-off ms"]
     rows = [[r.workload, r.policy, r.stages, round(r.request_throughput, 3), round(r.goodput, 3),

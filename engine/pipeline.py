@@ -168,6 +168,26 @@ def decode_step(header: torch.Tensor, body: torch.Tensor) -> PackedStep:
     return PackedStep(array("q"), positions, slots, seq_lens, cu, tables, width, nd, sample_rows, [])
 
 
+def as_bytes(*parts: torch.Tensor) -> torch.Tensor:
+    """Contiguous tensors' bytes end to end in one uint8 tensor (one message instead of several:
+    each gloo message costs a round trip, the receiver posting its buffer first)."""
+    flat = [p.contiguous().reshape(-1).view(torch.uint8) for p in parts]
+    return torch.cat(flat) if len(flat) > 1 else flat[0].clone()
+
+
+def split_bytes(payload: torch.Tensor, *specs: tuple[torch.dtype, tuple[int, ...]]) -> list[torch.Tensor]:
+    """as_bytes undone: views of `payload` with these dtypes and shapes (each part's size a
+    multiple of 8 bytes but the last, so that every view is aligned)."""
+    out, at = [], 0
+    for dtype, shape in specs:
+        n = torch.empty(shape, dtype=dtype).numel() * torch.empty((), dtype=dtype).element_size()
+        out.append(payload[at:at + n].view(dtype).view(shape))
+        at += n
+    if at != payload.numel():
+        raise PipelineBroken(f"a pipeline message of {payload.numel()} bytes, expected {at}")
+    return out
+
+
 # --- stage 0 ----------------------------------------------------------------------------------
 @dataclass(slots=True)
 class MicroBatch:
@@ -300,15 +320,15 @@ class PipelineRunner:
         mb = self._ids = self._ids + 1
         header, body = encode_step(mb, step)
         fwd = self.links.fwd
-        for k in range(1, self.num_stages):
+        for k in range(2, self.num_stages):  # their hidden states come from the stage before
             self._post(fwd, header, k)
-            if body.numel():
-                self._post(fwd, body, k)
+            self._post(fwd, as_bytes(body), k)
         started = time.monotonic()
         hidden = self.runner.forward(step)
         ended = time.monotonic()
-        self._post(fwd, hidden.contiguous(), 1)
-        self._post(fwd, torch.zeros(self.num_stages, 2, dtype=torch.float64), 1)
+        # Stage 1: the plan, the timings and the hidden states in one message after the header.
+        self._post(fwd, header, 1)
+        self._post(fwd, as_bytes(body, torch.zeros(self.num_stages, 2, dtype=torch.float64), hidden), 1)
         return MicroBatch(mb, step, started, ended, self._posted)
 
     def _post(self, group: dist.ProcessGroupGloo, tensor: torch.Tensor, dst: int) -> None:
@@ -330,12 +350,12 @@ class PipelineRunner:
         sampler here. Micro-batches come back in the order they were submitted."""
         last = self.num_stages - 1
         step = mb.step
-        rows = None
-        if len(step.sample_rows):
-            rows = torch.empty(len(step.sample_rows), self.model_config.hidden_size, dtype=self.runner.dtype)
-            _recv(self.links.fwd, rows, last, f"micro-batch {mb.id} from the last stage")
-        timings = _recv(self.links.fwd, torch.empty(self.num_stages, 2, dtype=torch.float64), last,
-                        f"micro-batch {mb.id} timings")
+        n, h = len(step.sample_rows), self.model_config.hidden_size
+        specs = [(torch.float64, (self.num_stages, 2)), (self.runner.dtype, (n, h))]
+        size = self.num_stages * 2 * 8 + n * h * torch.empty((), dtype=self.runner.dtype).element_size()
+        payload = _recv(self.links.fwd, torch.empty(size, dtype=torch.uint8), last, f"micro-batch {mb.id}")
+        timings, rows_back = split_bytes(payload, *specs)
+        rows = rows_back if n else None
         self._retire(mb.sent)
         head_start = time.monotonic()
         result = self.runner.sample(step, rows, rows_only=True) if rows is not None else ([], None)
@@ -431,6 +451,8 @@ def serve_stage(rank: int, runner: ModelRunner, links: Links, world: int, hidden
     """The loop of a stage after the first: commands from stage 0, in order, until STOP."""
     fwd, kv = links.fwd, links.kv
     last = rank == world - 1
+    timing_bytes = world * 2 * 8
+    row_bytes = hidden_size * torch.empty((), dtype=runner.dtype).element_size()
     pending: deque = deque()  # sends not known done (their tensors stay alive with them)
     while True:
         header = _recv(fwd, torch.empty(HEADER, dtype=torch.int64), 0, "command")
@@ -442,22 +464,27 @@ def serve_stage(rank: int, runner: ModelRunner, links: Links, world: int, hidden
         if kind == STOP:
             break
         if kind == STEP:
-            size = step_body_size(header)
-            body = _recv(fwd, torch.empty(size, dtype=torch.int64), 0, "step") if size else torch.empty(0, dtype=torch.int64)
+            body_bytes = step_body_size(header) * 8
+            t = int(header[2])
+            if rank == 1:  # plan, timings and hidden states in one message from stage 0
+                payload = _recv(fwd, torch.empty(body_bytes + timing_bytes + t * row_bytes, dtype=torch.uint8), 0, "step")
+                body, timings, hidden = split_bytes(payload, (torch.int64, (body_bytes // 8,)),
+                                                    (torch.float64, (world, 2)), (runner.dtype, (t, hidden_size)))
+            else:
+                body = _recv(fwd, torch.empty(body_bytes, dtype=torch.uint8), 0, "step").view(torch.int64)
+                payload = _recv(fwd, torch.empty(timing_bytes + t * row_bytes, dtype=torch.uint8), rank - 1,
+                                "hidden states")
+                timings, hidden = split_bytes(payload, (torch.float64, (world, 2)), (runner.dtype, (t, hidden_size)))
             step = decode_step(header, body)
-            hidden = _recv(fwd, torch.empty(step.num_tokens, hidden_size, dtype=runner.dtype), rank - 1, "hidden states")
-            timings = _recv(fwd, torch.empty(world, 2, dtype=torch.float64), rank - 1, "timings")
             started = time.monotonic()
             out = runner.forward(step, hidden)
-            if last and len(step.sample_rows):
+            if last:
                 rows = step.sample_rows
-                out = out if len(rows) == out.shape[0] else out[torch.frombuffer(rows, dtype=torch.int64)]
+                out = out if len(rows) == out.shape[0] else out[torch.frombuffer(rows, dtype=torch.int64)] if rows else out[:0]
             ended = time.monotonic()
             timings[rank, 0], timings[rank, 1] = started, ended
-            dst = 0 if last else rank + 1
-            if not last or len(step.sample_rows):
-                pending.append((_send(fwd, out.contiguous(), dst), out))
-            pending.append((_send(fwd, timings, dst), timings))
+            message = as_bytes(timings, out)
+            pending.append((_send(fwd, message, 0 if last else rank + 1), message))
             continue
         n = int(header[1])
         ids = _recv(fwd, torch.empty(n, dtype=torch.int64), 0, "block ids") if n else torch.empty(0, dtype=torch.int64)
