@@ -3,8 +3,9 @@
     python -m pdserve.bench.pipeline_bench [--model default] [--out docs/results/pipeline]
 
 On a machine of C cores: each deployment without stages is one process with C threads; with
-2 stages each stage gets C/2 cores (--pp-pin). Per workload (the interference mix: short chats
-with a long prompt every 6th request; W1: 256-token prompts, 64 tokens out) and per policy
+2 stages each stage gets C/2 cores (--pp-pin). Per workload (the interference mix: 64-token chats
+at 4 requests/s with a 1,024-token prompt every 6th; W1: 64 prompts of 256 tokens, 64 out, all at
+once) and per policy
 (prefill-first, mixed, chunked, and a decode-only pipeline fed by a prefill engine), it reports
 throughput, goodput under the SLO, TTFT and TBT, and with stages the bubble fraction of each
 stage over the run and the activation hand-off (stage 0's end to stage 1's start of a
@@ -12,9 +13,10 @@ micro-batch that stage 1 waited for). It draws each pipelined run's micro-batche
 Gantt chart) for a window around the first long prompt. Then the TTFT of one 4,096-token prompt,
 chunked through 2 stages, against one process of C threads.
 
-The disaggregated case runs a prefill engine (1 stage, chunked, capped at the first token) in
-this process beside the decode engine's stage 0, and hands the KV over shared memory: the prefill
-engine shares stage 0's cores. Every option `--foo-bar` defaults to PDSERVE_FOO_BAR when set.
+The disaggregated case hands the KV over shared memory from a prefill engine (1 stage, chunked,
+capped at the first token) that runs first, alone, on one thread: each request then enters the
+decode pipeline at its arrival plus its TTFT there (the decode stages take both cores of a 2-core
+machine; this is how the prefill gets a core of its own). Every option `--foo-bar` defaults to PDSERVE_FOO_BAR when set.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ log = logging.getLogger(__name__)
 
 DISAGGREGATED = "disaggregated"  # a prefill engine feeding a decode-only engine
 POLICIES = (PREFILL_FIRST, MIXED, CHUNKED, DISAGGREGATED)
+# Both keep the pipeline loaded (a bubble is a stage waiting while there is work): the
+# interference mix arrives faster than one process serves it; W1 all at once (its saturation).
 WORKLOADS = {
-    "interference": Workload(num_requests=36, rate=2.0, long_every=6, short_len=64, long_len=1024, output_len=32),
-    "w1": Workload(num_requests=48, rate=3.0, long_every=0, short_len=256, output_len=64),
+    "interference": Workload(num_requests=48, rate=4.0, long_every=6, short_len=64, long_len=1024, output_len=32),
+    "w1": Workload(num_requests=64, rate=float("inf"), long_every=0, short_len=256, output_len=64),
 }
 
 
@@ -59,7 +63,8 @@ class Run:
     p99_ttft_ms: float
     p50_tbt_ms: float
     p99_tbt_ms: float
-    bubble_fraction: list[float] = field(default_factory=list)  # per stage, over the run
+    bubble_fraction: list[float] = field(default_factory=list)  # per stage, idle / wall over the run
+    bubble_in_flight: list[float] = field(default_factory=list)  # idle / time a micro-batch was in flight
     handoff_ms: float = float("nan")  # median activation hand-off, stage 0 -> 1
     micro_batches: int = 0
     timeline: str = ""  # the Gantt chart's path
@@ -152,8 +157,14 @@ def colocated(loaded, model: str, policy: str, stages: int, work: Workload, budg
 
 
 def disaggregated(loaded, model: str, stages: int, work: Workload, budget: int, split: str | None = None):
-    """A prefill engine and a decode-only engine of `stages` stages, KV over shared memory,
-    driven as the two workers' loops would drive them, in this process."""
+    """A prefill engine and a decode-only engine of `stages` stages, KV over shared memory. The
+    prefill engine runs first, alone, on one thread, the prompts arriving in real time (so each
+    request's TTFT is what a prefill worker with a core of its own would give); then each request
+    enters the decode pipeline at its arrival plus that TTFT, its KV waiting in the receiver, and
+    the decode engine runs as a decode worker's loop would. On a 2-core machine whose cores the
+    decode stages take, that is how the prefill gets a core of its own."""
+    import torch
+
     from pdserve.engine.engine import Engine, context_length
     from pdserve.engine.kv_connector import KVConnector
     from pdserve.kvtransfer.connector import (
@@ -169,7 +180,7 @@ def disaggregated(loaded, model: str, stages: int, work: Workload, budget: int, 
     prompts, offsets = work.build(loaded.config.vocab_size)
     cfg = engine_config(model, CHUNKED, 1, work, budget)
     fp = model_fingerprint(cfg, loaded)
-    out_conn = PrefillConnector(fp, "prefill-bench", context_length(cfg, loaded.config), lease_s=30.0)
+    out_conn = PrefillConnector(fp, "prefill-bench", context_length(cfg, loaded.config), lease_s=600.0)
     prefill = Engine(cfg, loaded, KVConnector(out_conn, out_conn))
     in_conn = DecodeConnector()
     decode = Engine(replace(cfg, policy=DECODE_ONLY, pipeline_parallel_size=stages,
@@ -177,43 +188,55 @@ def disaggregated(loaded, model: str, stages: int, work: Workload, budget: int, 
                     KVConnector(in_conn, in_conn))
     receiver = make_receiver("shm", "tcp://127.0.0.1:0", fingerprint=fp)
     params = SamplingParams(temperature=0.0, max_tokens=work.output_len, ignore_eos=True)
-    arrivals: dict[str, float] = {}
-    times: dict[str, list[float]] = {}
+    ids = [f"req-{i}" for i in range(len(prompts))]
+    ttft: dict[str, float] = {}
+    kv: dict[str, object] = {}
+    threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(1)  # the prefill worker's one core
         start = time.monotonic()
         pending = list(range(len(prompts)))
-        while pending or len([r for r in times if len(times[r]) >= work.output_len]) < len(prompts):
+        while pending or len(kv) < len(prompts):
             now = time.monotonic()
             while pending and start + offsets[pending[0]] <= now:
                 i = pending.pop(0)
-                rid = f"req-{i}"
-                arrivals[rid], times[rid] = start + offsets[i], []
-                prefill.add_request(rid, prompts[i], first_token_only(params))
-                out_conn.expect(rid, HandoffTarget(receiver.address, "shm", params))
-            prefill.reclaim()
-            busy = False
+                prefill.add_request(ids[i], prompts[i], first_token_only(params))
+                out_conn.expect(ids[i], HandoffTarget(receiver.address, "shm", params))
             if prefill.has_unfinished():
                 for o in prefill.step():
-                    times[o.request_id] += [time.monotonic()] * len(o.new_token_ids)
+                    if o.new_token_ids:
+                        ttft[o.request_id] = time.monotonic() - start - offsets[ids.index(o.request_id)]
                 prefill.save_kv()
-                busy = True
-            out_conn.poll_acks()
+            else:
+                time.sleep(0.0005)
             for rkv in receiver.poll(timeout=0.0):
-                in_conn.expect(rkv)
-                m = rkv.meta
+                kv[rkv.meta.request_id] = rkv
+        torch.set_num_threads(threads)
+        release = sorted(range(len(prompts)), key=lambda i: offsets[i] + ttft[ids[i]])
+        times: dict[str, list[float]] = {}
+        start = time.monotonic()
+        while release or any(len(t) < work.output_len for t in times.values()) or len(times) < len(prompts):
+            now = time.monotonic()
+            while release and start + offsets[release[0]] + ttft[ids[release[0]]] <= now:
+                i = release.pop(0)
+                rkv = kv.pop(ids[i])
+                in_conn.expect(rkv)  # type: ignore[arg-type]
+                m = rkv.meta  # type: ignore[attr-defined]
                 decode.add_request(m.request_id, list(m.prompt_token_ids), m.sampling,
                                    output_token_ids=list(m.output_token_ids))
+                times[ids[i]] = [start + offsets[i] + ttft[ids[i]]]
             if decode.has_unfinished():
                 for o in decode.step():
                     times[o.request_id] += [time.monotonic()] * len(o.new_token_ids)
-                busy = True
+            else:
+                time.sleep(0.0005)
             for r in in_conn.take_results():
                 receiver.ack(r.request_id, r.ok, r.reason)
-            if not busy:
-                time.sleep(0.0005)
+            out_conn.poll_acks()
         end = time.monotonic()
-        return [(arrivals[r], times[r]) for r in sorted(arrivals, key=lambda r: int(r.split("-")[1]))], decode, (start, end)
+        return [(start + offsets[i], times[ids[i]]) for i in range(len(prompts))], decode, (start, end)
     finally:
+        torch.set_num_threads(threads)
         out_conn.close()
         receiver.close()
         prefill.close()
@@ -238,6 +261,7 @@ def measure(loaded, model: str, name: str, work: Workload, policy: str, stages: 
     pipe = engine.pipeline
     if pipe is not None:
         run.bubble_fraction = [round(f, 4) for f in pipe.timeline.between(t0, t1)]
+        run.bubble_in_flight = [round(f, 4) for f in pipe.timeline.in_flight_between(t0, t1)]
         run.handoff_ms, run.micro_batches = hand_offs(pipe.timeline, t0, t1)
         # The window: from the first long prompt's arrival (or the run's middle), 1.5 s.
         longs = [a for i, (a, _) in enumerate(results) if work.prompt_len(i) == work.long_len and work.long_every]
@@ -326,10 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     ttft = (long_prompt_ttft(loaded, args.model, args.long_prompt, args.chunk, args.reps, args.pp_layer_split)
             if args.long_prompt else {})
     header = ["workload", "policy", "stages", "req/s", "goodput", "TTFT p50", "TTFT p99", "TBT p50", "TBT p99",
-              "bubbles", "hand-off ms"]
+              "idle/wall", "in flight", "hand-off ms"]
     rows = [[r.workload, r.policy, r.stages, round(r.request_throughput, 3), round(r.goodput, 3),
              round(r.p50_ttft_ms), round(r.p99_ttft_ms), round(r.p50_tbt_ms, 1), round(r.p99_tbt_ms, 1),
              "/".join(f"{f:.2f}" for f in r.bubble_fraction) or "-",
+             "/".join(f"{f:.2f}" for f in r.bubble_in_flight) or "-",
              f"{r.handoff_ms:.2f}" if r.bubble_fraction else "-"] for r in runs]
     print(f"model {loaded.name}, CPU {cpu_name()}, {cores} cores; SLO {args.slo}")
     print(format_table(header, rows))

@@ -75,6 +75,27 @@ class StageTimeline:
                 busy[iv.stage] += overlap
         return [max(0.0, wall - b) / wall if wall > 0 else 0.0 for b in busy]
 
+    def in_flight_between(self, start: float, end: float) -> list[float]:
+        """Per stage, idle / the time some micro-batch was in the pipeline (from its first
+        interval's start to its last one's end) over [start, end]: the bubbles proper, without
+        the time there was nothing to compute at all (which idle / wall counts too)."""
+        spans: dict[int, list[float]] = {}
+        for iv in self.window(start, end):
+            span = spans.setdefault(iv.micro_batch, [iv.start, iv.end])
+            span[0], span[1] = min(span[0], iv.start), max(span[1], iv.end)
+        merged: list[list[float]] = []
+        for a, b in sorted(spans.values()):
+            a, b = max(a, start), min(b, end)
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        total = sum(b - a for a, b in merged)
+        busy = [0.0] * self.num_stages
+        for iv in self.window(start, end):
+            busy[iv.stage] += min(iv.end, end) - max(iv.start, start)
+        return [max(0.0, total - b) / total if total > 0 else 0.0 for b in busy]
+
     def window(self, start: float, end: float) -> list[Interval]:
         """The intervals that overlap [start, end] (what a timeline picture draws)."""
         return [iv for iv in self.recent if iv.end > start and iv.start < end]
@@ -89,4 +110,7 @@ class StageTimeline:
             "idle_seconds": [round(i, 6) for i in idle],
             "bubble_fraction": [round(f, 4) for f in self.bubble_fraction(now)],
             "bubble_fraction_last_minute": [round(f, 4) for f in self.bubble_fraction(now, RECENT_SECONDS)],
+            # The last minute's idle time while a micro-batch was in flight: the bubbles proper.
+            "bubble_fraction_in_flight_last_minute": [
+                round(f, 4) for f in self.in_flight_between(max(self.since, now - RECENT_SECONDS), now)],
         }

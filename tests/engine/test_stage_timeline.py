@@ -24,6 +24,9 @@ def test_busy_idle_and_bubble_fractions_of_a_known_schedule():
     assert t.bubble_fraction() == [0.5, 0.4]
     # The last 5 s, [5, 10]: stage 0 busy 1 s (6-7), stage 1 busy 1 + 2 s (5-6, 7-9).
     assert t.bubble_fraction(window=5.0) == pytest.approx([0.8, 0.4])
+    # While a micro-batch was in flight: spans [0, 4], [2, 6], [6, 9], 9 s in all, stage 0 busy
+    # 5 of them, stage 1 6: the last second, when nothing was there, is no bubble.
+    assert t.in_flight_between(0.0, 10.0) == pytest.approx([4 / 9, 3 / 9])
     info = t.describe()
     assert info["bubble_fraction"] == [0.5, 0.4] and info["idle_seconds"] == [5.0, 4.0]
 
