@@ -25,6 +25,7 @@ from pdserve.config.worker import WorkerOptions
 from pdserve.decode_node.tombstones import Tombstones
 from pdserve.engine.engine import Engine, RequestRejected
 from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.pipeline import stage_weights
 from pdserve.kvtransfer.connector import DecodeConnector
 from pdserve.kvtransfer.transport import KVReceiver, ReceivedKV, make_receiver
 from pdserve.model.weights import LoadedModel, load_model
@@ -43,7 +44,7 @@ class DecodeWorker(Worker):
     def create(cls, options: WorkerOptions, config: EngineConfig, loaded: LoadedModel | None = None) -> DecodeWorker:
         """A decode worker: decode-only steps, and a connector that loads arriving KV."""
         config = replace(config, policy=DECODE_ONLY)
-        loaded = loaded or load_model(config.model, single_use=True)  # this process builds one engine
+        loaded = loaded or load_model(config.model, single_use=True, keep=stage_weights(config, 0))  # this process builds one engine
         connector = DecodeConnector()
         engine = Engine(config, loaded, KVConnector(connector, connector))
         return cls(options, engine, model_fingerprint(config, loaded), connector)

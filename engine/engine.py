@@ -19,6 +19,7 @@ from pdserve.config.engine import EngineConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.device import kv_cache_blocks, weights_bytes
 from pdserve.engine.kv_connector import KVConnector, KVSave
+from pdserve.engine.pipeline import stage_weights
 from pdserve.engine.policies import make_policy
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ModelRunner
@@ -109,7 +110,7 @@ class Engine:
                  connector: KVConnector | None = None) -> None:
         config = replace(config, dtype=resolve_dtype(config.dtype, config.device))
         self.config = config
-        loaded = loaded or load_model(config.model, single_use=True)  # its own copy: let go as it loads
+        loaded = loaded or load_model(config.model, single_use=True, keep=stage_weights(config, 0))  # its own copy: let go as it loads
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -57,7 +57,7 @@ from pdserve.engine.runner import ModelRunner, PackedStep
 from pdserve.engine.sampler import SampleResult
 from pdserve.engine.scheduler import ScheduledRequest
 from pdserve.engine.stage_timeline import Interval, StageTimeline
-from pdserve.model.config import ModelConfig
+from pdserve.model.config import Keep, ModelConfig
 from pdserve.model.llama import StageLayers
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,18 @@ def split_layers(num_layers: int, stages: int, spec: str | None = None) -> list[
         out.append(StageLayers(start, start + c, num_layers))
         start += c
     return out
+
+
+def stage_weights(config: EngineConfig, stage: int) -> Keep | None:
+    """What a stage reads of the model's file: its own tensors (None: one stage, everything)."""
+    if config.pipeline_parallel_size == 1:
+        return None
+    stages, split = config.pipeline_parallel_size, config.pp_layer_split
+
+    def keep(model: ModelConfig, name: str) -> bool:
+        return split_layers(model.num_layers, stages, split)[stage].owns(name, model.tie_word_embeddings)
+
+    return keep
 
 
 def stage_cores(cores: list[int], stages: int) -> list[list[int] | None]:
@@ -527,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     links = connect(rank, world, args.store_port)
     from pdserve.model.weights import load_model
 
-    loaded = load_model(config.model, single_use=True)
+    loaded = load_model(config.model, single_use=True, keep=stage_weights(config, rank))
     stage = split_layers(loaded.config.num_layers, world, config.pp_layer_split)[rank]
     runner = ModelRunner(config, loaded.config, loaded.state_dict, args.max_model_len_resolved, args.num_blocks,
                          consume_weights=True, stage=stage)

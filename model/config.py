@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -101,3 +102,7 @@ def torch_dtype(name: str) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
+
+
+# Which tensors of a model to read (its config, a Hugging Face tensor name): a pipeline stage's own.
+Keep = Callable[[ModelConfig, str], bool]

@@ -19,7 +19,7 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from pdserve.model.config import ModelConfig
+from pdserve.model.config import Keep, ModelConfig
 from pdserve.model.families import SUPPORTED_GGUF_ARCHITECTURES
 from pdserve.text.model_files import ModelLoadError
 
@@ -208,8 +208,9 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> tuple[tuple[str, Any], ...
     return (("rope_type", "linear"), ("factor", float(meta[f"{arch}.rope.scaling.factor"])))
 
 
-def load_gguf(path: str | Path) -> GGUFModel:
-    """Read config, weights (float32, HF names, Q/K un-permuted) and metadata from a GGUF file."""
+def load_gguf(path: str | Path, keep: Keep | None = None) -> GGUFModel:
+    """Read config, weights (float32, HF names, Q/K un-permuted) and metadata from a GGUF file;
+    only the tensors `keep(config, name)` says yes to are dequantized, where given."""
     reader = open_gguf(path)
     meta = read_metadata(reader)
     names = {t.name for t in reader.tensors}
@@ -218,6 +219,8 @@ def load_gguf(path: str | Path) -> GGUFModel:
     arch = config.architecture
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name, arch)
+        if keep is not None and not keep(config, name):
+            continue
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
         try:
             array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)

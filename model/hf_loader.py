@@ -10,10 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 
-from pdserve.model.config import ModelConfig
+from pdserve.model.config import Keep, ModelConfig
 from pdserve.model.families import SUPPORTED_ARCHITECTURES, hf_model_config
 from pdserve.text.model_files import ModelLoadError
 
@@ -60,26 +59,28 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def load_hf_state_dict(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """All tensors, float32, under their Hugging Face names."""
+def load_hf_state_dict(path: Path, config: ModelConfig, keep: Keep | None = None) -> dict[str, torch.Tensor]:
+    """All tensors (or those `keep(config, name)` says yes to: only they are read), float32,
+    under their Hugging Face names."""
     state_dict: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
         try:
-            tensors = load_file(str(file), device="cpu")
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
+                    if name.endswith("rotary_emb.inv_freq"):  # a buffer old checkpoints saved; recomputed
+                        continue
+                    if keep is None or keep(config, name):
+                        state_dict[name] = f.get_tensor(name).to(torch.float32)
         except (SafetensorError, OSError, ValueError) as err:
             raise ModelLoadError(f"{file} is corrupt or truncated: {err}") from err
-        for name, tensor in tensors.items():
-            if name.endswith("rotary_emb.inv_freq"):  # a buffer old checkpoints saved; recomputed
-                continue
-            state_dict[name] = tensor.to(torch.float32)
     if config.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)  # tied: the embedding is the output projection
     logger.info("loaded %d tensors from %s", len(state_dict), path)
     return state_dict
 
 
-def load_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_hf(path: str | Path, keep: Keep | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and float32 state dict of a Hugging Face model directory."""
     path = Path(path)
     config = hf_model_config(read_config_json(path))
-    return config, load_hf_state_dict(path, config)
+    return config, load_hf_state_dict(path, config, keep)

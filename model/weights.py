@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.model.config import ModelConfig
+from pdserve.model.config import Keep, ModelConfig
 from pdserve.model.gguf_loader import load_gguf
 from pdserve.model.hf_loader import load_hf
 from pdserve.text.model_files import ModelFormat, ModelLoadError, resolve_model
@@ -77,9 +77,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def validate_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> None:
-    """ModelLoadError unless the state dict holds exactly the tensors the config implies."""
+def validate_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor], keep: Keep | None = None) -> None:
+    """ModelLoadError unless the state dict holds exactly the tensors the config implies (those
+    `keep` says yes to, where given)."""
     expected = expected_shapes(config)
+    if keep is not None:
+        expected = {name: shape for name, shape in expected.items() if keep(config, name)}
     missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(expected))
     wrong = [
@@ -100,18 +103,19 @@ def validate_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor]
         raise ModelLoadError("the weights do not match the model config: " + " | ".join(problems))
 
 
-def load_model(spec: str | None = "default", single_use: bool = False) -> LoadedModel:
+def load_model(spec: str | None = "default", single_use: bool = False, keep: Keep | None = None) -> LoadedModel:
     """Resolve `spec`, read its weights and tokenizer; ModelLoadError says what went wrong.
-    `single_use`: see LoadedModel (for a process that builds one engine from it)."""
+    `single_use`: see LoadedModel (for a process that builds one engine from it). `keep(config,
+    name)`: read only the tensors it says yes to (a pipeline stage's own: engine/pipeline.py)."""
     files = resolve_model(spec)
     if files.format is ModelFormat.GGUF:
-        gguf = load_gguf(files.path)
+        gguf = load_gguf(files.path, keep)
         config, state_dict = gguf.config, gguf.state_dict
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     else:
-        config, state_dict = load_hf(files.path)
+        config, state_dict = load_hf(files.path, keep)
         tokenizer = Tokenizer.from_dir(files.path)
-    validate_state_dict(config, state_dict)
+    validate_state_dict(config, state_dict, keep)
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelLoadError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {config.vocab_size}"

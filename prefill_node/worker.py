@@ -18,6 +18,7 @@ from pdserve.config.names import CHUNKED, KV_TRANSPORTS
 from pdserve.config.worker import WorkerOptions
 from pdserve.engine.engine import Engine, context_length
 from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.pipeline import stage_weights
 from pdserve.kvtransfer.connector import HandoffTarget, PrefillConnector, first_token_only
 from pdserve.kvtransfer.transport import available_kinds
 from pdserve.model.weights import LoadedModel, load_model
@@ -52,7 +53,7 @@ class PrefillWorker(Worker):
         options = replace(options, kv_transports=offered_transports(options.kv_transports, available_kinds()),
                           worker_id=worker_id)
         config = replace(config, policy=CHUNKED)
-        loaded = loaded or load_model(config.model, single_use=True)  # this process builds one engine
+        loaded = loaded or load_model(config.model, single_use=True, keep=stage_weights(config, 0))  # this process builds one engine
         fingerprint = model_fingerprint(config, loaded)
         connector = PrefillConnector(fingerprint, worker_id, context_length(config, loaded.config),
                                      lease_s=options.kv_lease, auth=FrameAuth.from_secret(options.secret))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pdserve.config.engine import EngineConfig
 from pdserve.config.worker import WorkerOptions
 from pdserve.engine.engine import Engine
+from pdserve.engine.pipeline import stage_weights
 from pdserve.model.weights import LoadedModel, load_model
 from pdserve.protocol.messages import GenerateRequest
 from pdserve.worker.loop import Worker, model_fingerprint
@@ -22,7 +23,7 @@ class ColocatedWorker(Worker):
 
     @classmethod
     def create(cls, options: WorkerOptions, config: EngineConfig, loaded: LoadedModel | None = None) -> ColocatedWorker:
-        loaded = loaded or load_model(config.model, single_use=True)  # this process builds one engine
+        loaded = loaded or load_model(config.model, single_use=True, keep=stage_weights(config, 0))  # this process builds one engine
         return cls(options, Engine(config, loaded), model_fingerprint(config, loaded))
 
     def kv_address(self) -> str:
