@@ -173,7 +173,7 @@ def disaggregated(loaded, model: str, stages: int, work: Workload, budget: int, 
         PrefillConnector,
         first_token_only,
     )
-    from pdserve.kvtransfer.transport import make_receiver
+    from pdserve.kvtransfer.transport import ReceivedKV, make_receiver
     from pdserve.protocol.sampling import SamplingParams
     from pdserve.worker.loop import model_fingerprint
 
@@ -190,7 +190,7 @@ def disaggregated(loaded, model: str, stages: int, work: Workload, budget: int, 
     params = SamplingParams(temperature=0.0, max_tokens=work.output_len, ignore_eos=True)
     ids = [f"req-{i}" for i in range(len(prompts))]
     ttft: dict[str, float] = {}
-    kv: dict[str, object] = {}
+    kv: dict[str, ReceivedKV] = {}
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)  # the prefill worker's one core
@@ -220,8 +220,8 @@ def disaggregated(loaded, model: str, stages: int, work: Workload, budget: int, 
             while release and start + offsets[release[0]] + ttft[ids[release[0]]] <= now:
                 i = release.pop(0)
                 rkv = kv.pop(ids[i])
-                in_conn.expect(rkv)  # type: ignore[arg-type]
-                m = rkv.meta  # type: ignore[attr-defined]
+                in_conn.expect(rkv)
+                m = rkv.meta
                 decode.add_request(m.request_id, list(m.prompt_token_ids), m.sampling,
                                    output_token_ids=list(m.output_token_ids))
                 times[ids[i]] = [start + offsets[i] + ttft[ids[i]]]
