@@ -89,6 +89,9 @@ class EngineConfig:
             raise ConfigError("--max-model-len must be at least 2")
         if self.pipeline_parallel_size < 1:
             raise ConfigError("--pipeline-parallel-size must be at least 1")
+        if self.pipeline_parallel_size > 1 and self.device.startswith("cuda"):
+            raise ConfigError("--pipeline-parallel-size: stages link through gloo on the CPU; CUDA stages "
+                              "(NCCL links, device buffers) are not built yet")
         if self.pp_layer_split is not None:
             try:
                 counts = [int(c) for c in self.pp_layer_split.split(",")]

@@ -49,6 +49,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed import PrefixStore, Store, TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 from pdserve.config.engine import EngineConfig, add_engine_arguments, engine_argv, engine_config
 from pdserve.engine.kv_cache import BlockIds, KVPayloadError
@@ -117,20 +118,20 @@ def stage_cores(cores: list[int], stages: int) -> list[list[int] | None]:
 class Links:
     fwd: dist.ProcessGroupGloo
     kv: dist.ProcessGroupGloo
-    store: dist.Store
+    store: Store
 
 
-def connect(rank: int, world: int, port: int, store: dist.Store | None = None) -> Links:
+def connect(rank: int, world: int, port: int, store: Store | None = None) -> Links:
     """Both process groups of one pipeline, through the TCP store stage 0 hosts on `port`."""
     timeout = datetime.timedelta(seconds=CONNECT_TIMEOUT_S)
     if store is None:
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+        store = TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
 
     def group(name: str) -> dist.ProcessGroupGloo:
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = datetime.timedelta(seconds=LINK_TIMEOUT_S)
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world, opts)
+        return dist.ProcessGroupGloo(PrefixStore(name, store), rank, world, opts)
 
     return Links(group("fwd"), group("kv"), store)
 
@@ -234,7 +235,7 @@ class PipelineRunner:
         self._affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         shares = stage_cores(self._affinity or [], n) if config.pp_pin and self._affinity else [None] * n
         threads = torch.get_num_threads()
-        store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
+        store = TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=CONNECT_TIMEOUT_S))
         try:
             # Stage 0 builds its runner first: `deterministic` resolved here is every stage's.
@@ -264,7 +265,7 @@ class PipelineRunner:
                  ", ".join(f"{s.start}-{s.end - 1}" for s in self.stages),
                  "; ".join(",".join(map(str, s)) if s else "shared" for s in shares))
 
-    def _connect(self, store: dist.Store) -> Links:
+    def _connect(self, store: Store) -> Links:
         """The process groups (they wait for every stage), then each stage's ready word."""
         result: list = []
         thread = threading.Thread(target=lambda: result.append(self._try_connect(store)), daemon=True)

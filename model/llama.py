@@ -427,7 +427,7 @@ class LlamaForCausalLM(nn.Module):
         family = len(args[0][0]) > 6 or any(windows) or activation != 0
         options = (windows, local_rope, activation) if family else ()
         backend = layers[0].self_attn.backend if layers else None
-        prefills = backend is not None and backend.compiles_prefill(args[0][0][0].dtype, dims[2])
+        prefills = backend is not None and backend.compiles_prefill(layers[0].input_layernorm.weight.dtype, dims[2])
         self._compiled = CompiledLayers(
             ops, [w for weights, _, _, _ in args for w in weights], [w for _, large, _, _ in args for w in large],
             dims, prefills, kv_prefetch, options,

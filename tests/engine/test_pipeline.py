@@ -89,6 +89,8 @@ def test_split_layers():
         split_layers(2, 3)
     with pytest.raises(ConfigError):
         EngineConfig(pipeline_parallel_size=2, pp_layer_split="1,2,3")
+    with pytest.raises(ConfigError, match="CUDA"):  # said at start, not a failed first step
+        EngineConfig(pipeline_parallel_size=2, device="cuda")
 
 
 def test_stage_cores():

@@ -62,6 +62,20 @@ def streamed(c: Cluster, i: int, progress: dict[int, int]) -> tuple[str, list[di
     return "".join(text), usages, errors
 
 
+def streams_through(c: Cluster, n: int, fault):
+    """Stream n completions and call `fault()` once each has streamed 5 tokens, while they run;
+    returns every stream's (text, usage chunks, error events) and what `fault` returned."""
+    progress: dict[int, int] = {}
+    with ThreadPoolExecutor(n) as pool:
+        futures = {i: pool.submit(streamed, c, i, progress) for i in range(n)}
+        deadline = time.monotonic() + 60
+        while not all(progress.get(i, 0) >= 5 for i in range(n)):
+            assert time.monotonic() < deadline, f"streams did not start: {progress}"
+            time.sleep(0.02)
+        done = fault()
+        return {i: f.result(timeout=120) for i, f in futures.items()}, done
+
+
 def decode_holding_most(c: Cluster) -> str:
     running = {name: c.info(name)["running"] for name in ("decode-0", "decode-1")}
     return max(running, key=lambda k: running[k])
@@ -76,17 +90,13 @@ def test_killing_a_decode_worker_mid_stream_loses_no_request_and_changes_no_toke
     with ThreadPoolExecutor(N_STREAMS) as pool:  # the no-fault run
         reference = dict(enumerate(pool.map(complete, range(N_STREAMS))))
 
-    progress: dict[int, int] = {}
-    with ThreadPoolExecutor(N_STREAMS) as pool:
-        futures = {i: pool.submit(streamed, cluster, i, progress) for i in range(N_STREAMS)}
-        deadline = time.monotonic() + 60
-        while not all(progress.get(i, 0) >= 5 for i in range(N_STREAMS)):
-            assert time.monotonic() < deadline, f"streams did not start: {progress}"
-            time.sleep(0.02)
+    def kill_the_busiest() -> tuple[str, int]:
         victim = decode_holding_most(cluster)
         held = cluster.info(victim)["running"]
         cluster.kill(victim)
-        results = {i: f.result(timeout=120) for i, f in futures.items()}
+        return victim, held
+
+    results, (victim, held) = streams_through(cluster, N_STREAMS, kill_the_busiest)
 
     assert held > 0
     for i, (text, usages, errors) in results.items():

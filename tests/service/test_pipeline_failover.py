@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.helpers.service_harness import Cluster
-from tests.service.test_migration import body, decode_holding_most, streamed
+from tests.service.test_migration import body, decode_holding_most, streams_through
 
 pytestmark = pytest.mark.timeout(300)
 N_STREAMS = 4
@@ -57,20 +57,16 @@ def test_a_killed_stage_migrates_its_workers_streams_and_leaves_nothing(cluster)
         reference = dict(enumerate(pool.map(complete, range(N_STREAMS))))
     assert all(cluster.info(w)["pipeline"]["stages"] == 2 for w in cluster.workers())
 
-    progress: dict[int, int] = {}
-    with ThreadPoolExecutor(N_STREAMS) as pool:
-        futures = {i: pool.submit(streamed, cluster, i, progress) for i in range(N_STREAMS)}
-        deadline = time.monotonic() + 60
-        while not all(progress.get(i, 0) >= 5 for i in range(N_STREAMS)):
-            assert time.monotonic() < deadline, f"streams did not start: {progress}"
-            time.sleep(0.02)
+    def kill_a_stage():
         victim = decode_holding_most(cluster)
         held = cluster.info(victim)["running"]
         worker = cluster.proc(victim).popen
         stages = children(worker.pid)
         assert len(stages) == 1, stages  # stage 1, a child of the worker (stage 0)
         os.kill(stages[0], signal.SIGKILL)
-        results = {i: f.result(timeout=120) for i, f in futures.items()}
+        return victim, held, worker, stages
+
+    results, (victim, held, worker, stages) = streams_through(cluster, N_STREAMS, kill_a_stage)
 
     assert held > 0
     for i, (text, usages, errors) in results.items():
