@@ -95,6 +95,23 @@ def _host_bytes(part: HostPart) -> torch.Tensor:
     return torch.frombuffer(values, dtype=torch.uint8)
 
 
+_ITEMSIZE = {torch.int64: 8, torch.int32: 4, torch.int16: 2, torch.uint8: 1}
+
+
+def _as_tensor(part: HostPart) -> torch.Tensor:
+    """A part as a tensor of its dtype and shape over its own memory (the CPU path: no copy)."""
+    values = part.values
+    if isinstance(values, torch.Tensor):
+        if values.dtype != part.dtype:
+            raise ValueError(f"a step input must be a tensor of {part.dtype}, got {values.dtype}")
+        tensor = values
+    elif values.itemsize != _ITEMSIZE.get(part.dtype, -1):
+        raise ValueError(f"array of typecode {values.typecode!r} ({values.itemsize} bytes) for {part.dtype}")
+    else:
+        tensor = torch.frombuffer(values, dtype=part.dtype) if values else torch.empty(0, dtype=part.dtype)
+    return tensor if part.shape is None else tensor.view(part.shape)
+
+
 def layout(parts: Sequence[HostPart]) -> tuple[list[PartSpan], int]:
     """Each part's span in the packed buffer (in order, each at a multiple of ALIGN) and the total."""
     spans, offset = [], 0
@@ -149,10 +166,9 @@ class StepUploader:
 
     def upload(self, parts: Sequence[HostPart]) -> list[torch.Tensor]:
         """One tensor on the device per part, in order, of the part's dtype and shape."""
+        if not self.packed:  # the CPU: each part as it is (a decode step's few microseconds matter)
+            return [_as_tensor(p) for p in parts]
         spans, total = layout(parts)
-        if not self.packed:
-            return [_host_bytes(p).view(s.dtype).view(s.shape) if s.nbytes else torch.empty(s.shape, dtype=s.dtype)
-                    for p, s in zip(parts, spans, strict=True)]
         host = self._buffer(total)
         pack(parts, spans, host)
         device_buffer = torch.empty(total, dtype=torch.uint8, device=self.device)

@@ -136,6 +136,9 @@ def test_on_the_cpu_an_upload_copies_nothing():
     got_ids, got_table = StepUploader(CPU).upload([HostPart(ids, torch.int64), HostPart(table, torch.int32, (2, 2))])
     assert got_ids.data_ptr() == ids.buffer_info()[0] and got_table.data_ptr() == table.buffer_info()[0]
     assert got_table.tolist() == [[1, 2], [0, 3]]
+    empty, rows = StepUploader(CPU).upload([HostPart(array("q"), torch.int64),
+                                            HostPart(torch.zeros(0, 3, dtype=torch.int32), torch.int32)])
+    assert empty.shape == (0,) and empty.dtype == torch.int64 and rows.shape == (0, 3)
 
 
 def test_a_tensor_part_keeps_its_shape_and_a_slice_of_rows_goes_up_as_it_is():
@@ -151,6 +154,11 @@ def test_a_part_whose_values_are_not_of_its_dtype_is_refused():
         StepUploader(CPU, packed=True).upload([HostPart(array("i", [1]), torch.int64)])
     with pytest.raises(ValueError, match="shape"):
         layout([HostPart(array("i", [1, 2, 3]), torch.int32, (2, 2))])
+    # The CPU path checks the same without packing.
+    with pytest.raises(ValueError, match="typecode 'i'"):
+        StepUploader(CPU).upload([HostPart(array("i", [1]), torch.int64)])
+    with pytest.raises(ValueError, match="tensor of torch.int64"):
+        StepUploader(CPU).upload([HostPart(torch.zeros(2, dtype=torch.int32), torch.int64)])
 
 
 @pytest.mark.gpu

@@ -216,3 +216,21 @@ def test_a_dead_stage_breaks_the_pipeline(engines):
     engine.close()
     assert stage.poll() is not None
     assert stage.pid not in _children(os.getpid())
+
+
+def test_an_abort_while_micro_batches_are_in_flight_frees_everything(engines):
+    """Requests aborted with their steps still in later stages: those steps land and are dropped,
+    every block comes back, and the engine serves on."""
+    engine = engines(2)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for rid, prompt in PROMPTS.items():
+        engine.add_request(rid, prompt, params)
+    engine.step()
+    engine.step()
+    assert engine._in_flight  # a micro-batch is in stage 1
+    engine.abort(list(PROMPTS))
+    while engine._in_flight:
+        assert not any(o.new_token_ids for o in engine.step())
+    assert engine.pool.num_used == 0 and not engine.scheduler.in_flight and not engine.scheduler.awaiting
+    assert greedy_tokens(engine, {"after": PROMPTS["r2"]}, MAX_TOKENS)["after"] == greedy_tokens(
+        engines(1), {"x": PROMPTS["r2"]}, MAX_TOKENS)["x"]
