@@ -4,14 +4,18 @@
 
 For each size, one sender and one receiver in this process (one host, loopback). "deliver" is
 send() until the receiver hands out the verified payload (staging copy, both checksums, the
-socket); "round trip" adds the engine's copy-in (`scatter_blocks`) and the ack's return.
+socket); "round trip" adds the engine's copy-in (`scatter_blocks`) and the ack's return. Beside
+them, the same run's limits: a torch copy of the same bytes (what shm is held to) and a plain
+loopback TCP socket moving them (what tcp is held to).
 Medians over the repeats. Every option `--foo-bar` defaults to $PDSERVE_FOO_BAR when set.
 """
 
 from __future__ import annotations
 
 import argparse
+import socket
 import statistics
+import threading
 import time
 
 import torch
@@ -102,6 +106,38 @@ def bench_copy(num_blocks: int, repeats: int, device: str) -> float:
     return statistics.median(times)
 
 
+def bench_socket(num_blocks: int, repeats: int, chunk: int = 4 << 20) -> float:
+    """Median seconds to move the payload's bytes over a plain loopback TCP connection (one
+    sendall, recv_into a preallocated buffer on a thread): the limit the tcp transport is held to."""
+    data = memoryview(bytearray(num_blocks << 20))
+    sink = bytearray(len(data))
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    conn, _ = server.accept()
+    for sock in (client, conn):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def receive() -> None:
+        view, got = memoryview(sink), 0
+        while got < len(sink):
+            got += conn.recv_into(view[got:], min(chunk, len(sink) - got))
+
+    times = []
+    try:
+        for i in range(repeats + 1):
+            reader = threading.Thread(target=receive)
+            t0 = time.perf_counter()
+            reader.start()
+            client.sendall(data)
+            reader.join()
+            if i:
+                times.append(time.perf_counter() - t0)
+    finally:
+        for sock in (client, conn, server):
+            sock.close()
+    return statistics.median(times)
+
+
 def bench_checksum(num_blocks: int, algorithm: str, device: str) -> float:
     t = _payload(num_blocks, _FP, device)
     checksum(t, algorithm)
@@ -133,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
                     None,
                 )
             )
+        if "tcp" in kinds:
+            rows.append(("loopback socket", mb, _gbps(nbytes, bench_socket(mb, args.repeats)), None))
         for algorithm, device in [("crc32", "cpu"), ("wsum64", "cpu")] + (
             [("wsum64", "cuda")] if "cuda_ipc" in kinds else []
         ):
