@@ -205,11 +205,11 @@ def disaggregated(loaded, model: str, stages: int, work: Workload, budget: int, 
             if prefill.has_unfinished():
                 for o in prefill.step():
                     if o.new_token_ids:
-                        ttft[o.request_id] = time.monotonic() - start - offsets[ids.index(o.request_id)]
+                        ttft[o.request_id] = time.monotonic() - start - offsets[int(o.request_id.removeprefix("req-"))]
                 prefill.save_kv()
             else:
                 time.sleep(0.0005)
-            for rkv in receiver.poll(timeout=0.0):
+            for rkv in receiver.poll(timeout=0.0):  # held until the decode replay admits it
                 kv[rkv.meta.request_id] = rkv
         torch.set_num_threads(threads)
         release = sorted(range(len(prompts)), key=lambda i: offsets[i] + ttft[ids[i]])
@@ -282,8 +282,8 @@ def long_prompt_ttft(loaded, model: str, tokens: int, budget: int, reps: int, sp
     prompt = [1000 + (i * 7919) % 30000 for i in range(tokens)]
     result = {}
     for stages in (1, 2):
-        cfg = replace(engine_config(model, CHUNKED, stages, Workload(num_requests=1, short_len=tokens, long_every=0,
-                                                                      output_len=1), budget, split=split))
+        cfg = engine_config(model, CHUNKED, stages, Workload(num_requests=1, short_len=tokens, long_every=0,
+                                                              output_len=1), budget, split=split)
         threads = torch.get_num_threads()
         llm = LLM(loaded=loaded, config=cfg)
         try:

@@ -13,13 +13,13 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.device import kv_cache_blocks, weights_bytes
 from pdserve.engine.kv_connector import KVConnector, KVSave
-from pdserve.engine.pipeline import stage_weights
+from pdserve.engine.pipeline import MicroBatch, PipelineRunner, stage_weights
 from pdserve.engine.policies import make_policy
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ModelRunner
@@ -29,9 +29,6 @@ from pdserve.model.config import ModelConfig, resolve_dtype, torch_dtype
 from pdserve.model.weights import LoadedModel, load_model
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.text.grammar import GrammarCompiler, GrammarError, GrammarMatcher
-
-if TYPE_CHECKING:
-    from pdserve.engine.pipeline import MicroBatch, PipelineRunner
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +132,6 @@ class Engine:
         self.pipeline: PipelineRunner | None = None
         self.runner: ModelRunner | PipelineRunner
         if config.pipeline_parallel_size > 1:
-            from pdserve.engine.pipeline import PipelineRunner
-
             self.runner = self.pipeline = PipelineRunner(config, loaded.config, loaded.state_dict, self.max_model_len,
                                                          num_blocks, consume_weights=loaded.single_use)
             self.scheduler.micro_batches = self.pipeline.depth

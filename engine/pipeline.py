@@ -291,21 +291,27 @@ class PipelineRunner:
         except BaseException as exc:  # handed to the waiting thread
             return exc
 
-    def _check_children(self, when: str) -> None:
+    def _dead_stage(self) -> str | None:
+        """Which stage has exited, and how (None: all run)."""
         for k, proc in enumerate(self._procs, start=1):
             code = proc.poll()
             if code is not None:
-                raise PipelineBroken(f"pipeline stage {k} exited with {code} {when}")
+                return f"pipeline stage {k} exited with {code}"
+        return None
+
+    def _check_children(self, when: str) -> None:
+        dead = self._dead_stage()
+        if dead is not None:
+            raise PipelineBroken(f"{dead} {when}")
 
     def _watch_stages(self) -> None:
         """Notice a stage's death even while no step waits on it (an idle worker leaves rotation)."""
         while not self._closed:
-            for k, proc in enumerate(self._procs, start=1):
-                code = proc.poll()
-                if code is not None and not self._closed:
-                    self.broken = f"pipeline stage {k} exited with {code}"
-                    log.error("%s; the worker goes down with it", self.broken)
-                    return
+            dead = self._dead_stage()
+            if dead is not None and not self._closed:
+                self.broken = dead
+                log.error("%s; the worker goes down with it", dead)
+                return
             time.sleep(0.2)
 
     def check(self) -> None:
