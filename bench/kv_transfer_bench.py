@@ -1,29 +1,41 @@
-"""KV transfer throughput per transport, next to a plain torch copy of the same bytes.
+"""KV transfer throughput per transport, each beside the limit it is held to.
 
-    python -m pdserve.bench.kv_transfer_bench [--sizes-mb 1,16,64] [--repeats 5] [--transports tcp,shm]
+    python -m pdserve.bench.kv_transfer_bench [--sizes-mb 1,16,64] [--repeats 5]
+                                              [--transports tcp,shm] [--json PATH]
 
-For each size, one sender and one receiver in this process (one host, loopback). "deliver" is
-send() until the receiver hands out the verified payload (staging copy, both checksums, the
-socket); "round trip" adds the engine's copy-in (`scatter_blocks`) and the ack's return. Beside
-them, the same run's limits: a torch copy of the same bytes (what shm is held to) and a plain
-loopback TCP socket moving them (what tcp is held to).
+For each size, one sender and one receiver in this process (one host, loopback), once with the
+deployment secret (CURVE handshake and frame MACs: the default deployment) and once `--insecure`.
+"deliver" is send() until the receiver hands out the verified payload (the copy into the segment,
+both checksums, the socket); "round trip" adds the engine's copy-in (`scatter_blocks`) and the
+ack's return. "shm (staged)" gathers the blocks straight into `ShmKVSender.staging` inside the
+timed region: in serving that gather is the copy that replaces the one into the segment.
+
+"% of limit" is deliver over the same run's limit: a torch copy of the same bytes for shm (and
+cuda_ipc), a plain loopback TCP socket moving them for tcp. The checksum rows give each
+algorithm's rate on one core; hmac-sha256 is what a MAC over every payload byte costs.
 Medians over the repeats. Every option `--foo-bar` defaults to $PDSERVE_FOO_BAR when set.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import socket
 import statistics
 import threading
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
+from pdserve.bench.report import format_table, write_json
 from pdserve.config.envs import flag_default
-from pdserve.engine.kv_cache import scatter_blocks
+from pdserve.engine.kv_cache import gather_blocks, scatter_blocks
 from pdserve.kvtransfer.tensors import checksum, describe
 from pdserve.kvtransfer.transport import available_kinds, make_receiver, make_sender
+from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import KVTransfer, ModelFingerprint
 from pdserve.protocol.sampling import SamplingParams
 
@@ -31,7 +43,19 @@ from pdserve.protocol.sampling import SamplingParams
 _FP = ModelFingerprint(
     "bench", "llama", num_layers=16, num_kv_heads=8, head_dim=64, dtype="float32", block_size=16
 )
+_SECRET = b"x" * 32
+COPY_CPU, COPY_CUDA, SOCKET = "torch copy (cpu)", "torch copy (cuda)", "loopback socket"
 
+
+class Row(NamedTuple):
+    """One line of the table; `limit` names the row of the same size this one is held to."""
+
+    what: str
+    mib: int
+    deliver_gbps: float
+    round_trip_gbps: float | None = None
+    limit: str | None = None
+    pct_of_limit: float | None = None
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -59,23 +83,34 @@ def _meta(payload: torch.Tensor, fp: ModelFingerprint, rid: str) -> KVTransfer:
     )
 
 
-def bench_transport(kind: str, num_blocks: int, repeats: int, device: str) -> tuple[float, float]:
+def _auth(secure: bool) -> FrameAuth | None:
+    """The deployment's frame auth, one per end as in two processes (None: --insecure)."""
+    return FrameAuth.from_secret(_SECRET) if secure else None
+
+
+def bench_transport(
+    kind: str, num_blocks: int, repeats: int, device: str, *, secure: bool, staged: bool = False
+) -> tuple[float, float]:
     """Median seconds (deliver, round trip) for one payload of `num_blocks` MiB-blocks."""
     fp = _FP
-    payload = _payload(num_blocks, fp, device)
-    cache = torch.zeros(
-        (fp.num_layers, 2, num_blocks, *payload.shape[3:]), dtype=payload.dtype, device=device
-    )
+    source = _payload(num_blocks, fp, device)  # a prefill worker's cache, every block sent
+    cache = torch.zeros_like(source)  # the decode worker's
     ids = list(range(num_blocks))
     deliver, round_trip = [], []
     with (
-        make_receiver(kind, "tcp://127.0.0.1:0", fingerprint=fp) as rx,
-        make_sender(kind, lease_s=30.0) as tx,
+        make_receiver(kind, "tcp://127.0.0.1:0", fingerprint=fp, auth=_auth(secure)) as rx,
+        make_sender(kind, lease_s=30.0, auth=_auth(secure)) as tx,
     ):
         for i in range(repeats + 1):  # the first one warms up (connect, segment creation)
             rid = f"bench-{i}"
             t0 = time.perf_counter()
+            payload = source
+            if staged:  # ShmKVSender only
+                out = tx.staging(source.shape, source.dtype)  # type: ignore[attr-defined]
+                payload = gather_blocks(source, ids, out=out)
+                del out
             tx.send(rx.address, _meta(payload, fp, rid), payload)
+            del payload  # a staging tensor belongs to the sender once sent
             (got,) = rx.poll(timeout=60)
             t1 = time.perf_counter()
             if not got.ok or got.payload is None:
@@ -84,26 +119,33 @@ def bench_transport(kind: str, num_blocks: int, repeats: int, device: str) -> tu
             rx.ack(rid, True)
             (ack,) = tx.poll_acks(timeout=60)
             t2 = time.perf_counter()
+            if not ack.ok:
+                raise RuntimeError(f"{kind}: transfer failed: {ack.reason}")
             if i:
                 deliver.append(t1 - t0)
                 round_trip.append(t2 - t0)
+    if not torch.equal(cache, source):
+        raise RuntimeError(f"{kind}: the decode cache does not hold the blocks sent")
     return statistics.median(deliver), statistics.median(round_trip)
+
+
+def _median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
+    times = []
+    for i in range(repeats + 1):  # the first one warms up
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def bench_copy(num_blocks: int, repeats: int, device: str) -> float:
     src = _payload(num_blocks, _FP, device)
     dst = torch.empty_like(src)
-    times = []
-    for i in range(repeats + 1):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    return _median_time(lambda: dst.copy_(src), repeats, sync)
 
 
 def bench_socket(num_blocks: int, repeats: int, chunk: int = 4 << 20) -> float:
@@ -122,28 +164,61 @@ def bench_socket(num_blocks: int, repeats: int, chunk: int = 4 << 20) -> float:
         while got < len(sink):
             got += conn.recv_into(view[got:], min(chunk, len(sink) - got))
 
-    times = []
+    def move() -> None:
+        reader = threading.Thread(target=receive)
+        reader.start()
+        client.sendall(data)
+        reader.join()
+
     try:
-        for i in range(repeats + 1):
-            reader = threading.Thread(target=receive)
-            t0 = time.perf_counter()
-            reader.start()
-            client.sendall(data)
-            reader.join()
-            if i:
-                times.append(time.perf_counter() - t0)
+        return _median_time(move, repeats)
     finally:
         for sock in (client, conn, server):
             sock.close()
-    return statistics.median(times)
 
 
-def bench_checksum(num_blocks: int, algorithm: str, device: str) -> float:
+def bench_checksum(num_blocks: int, algorithm: str, device: str, repeats: int) -> float:
     t = _payload(num_blocks, _FP, device)
-    checksum(t, algorithm)
-    t0 = time.perf_counter()
-    checksum(t, algorithm)
-    return time.perf_counter() - t0
+    if algorithm == "hmac-sha256":
+        key, data = bytes(32), t.view(torch.uint8).numpy().data
+        return _median_time(lambda: hmac.new(key, data, hashlib.sha256).digest(), repeats)
+    return _median_time(lambda: checksum(t, algorithm), repeats)
+
+
+def _with_limits(rows: list[Row]) -> list[Row]:
+    """Each transport row with its limit's name and deliver as a percentage of it."""
+    rates = {(r.what, r.mib): r.deliver_gbps for r in rows if r.round_trip_gbps is None}
+    out = []
+    for r in rows:
+        if r.round_trip_gbps is not None:
+            kind = r.what.split()[0]
+            limit = {"tcp": SOCKET, "shm": COPY_CPU, "cuda_ipc": COPY_CUDA}[kind]
+            r = r._replace(limit=limit, pct_of_limit=100 * r.deliver_gbps / rates[(limit, r.mib)])
+        out.append(r)
+    return out
+
+
+def run(sizes: list[int], kinds: list[str], repeats: int) -> list[Row]:
+    rows: list[Row] = []
+    for mb in sizes:
+        nbytes = mb << 20
+        for device in ["cpu"] + (["cuda"] if "cuda_ipc" in kinds else []):
+            rows.append(Row(f"torch copy ({device})", mb, _gbps(nbytes, bench_copy(mb, repeats, device))))
+        if "tcp" in kinds:
+            rows.append(Row(SOCKET, mb, _gbps(nbytes, bench_socket(mb, repeats))))
+        for algorithm, device in [("xxh3", "cpu"), ("crc32", "cpu"), ("hmac-sha256", "cpu")] + (
+            [("wsum64", "cuda")] if "cuda_ipc" in kinds else []
+        ):
+            seconds = bench_checksum(mb, algorithm, device, repeats)
+            rows.append(Row(f"checksum {algorithm} ({device})", mb, _gbps(nbytes, seconds)))
+        for kind in kinds:
+            device = "cuda" if kind == "cuda_ipc" else "cpu"
+            for staged in (False, True) if kind == "shm" else (False,):
+                for secure in (True, False):
+                    deliver, rt = bench_transport(kind, mb, repeats, device, secure=secure, staged=staged)
+                    what = kind + (" (staged)" if staged else "") + ("" if secure else " --insecure")
+                    rows.append(Row(what, mb, _gbps(nbytes, deliver), _gbps(nbytes, rt)))
+    return _with_limits(rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -153,43 +228,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes-mb", default=flag_default("sizes-mb", "1,16,64"), help="payload sizes in MiB")
     p.add_argument("--repeats", type=int, default=flag_default("repeats", 5))
     p.add_argument("--transports", default=flag_default("transports", ",".join(available_kinds())))
+    p.add_argument("--json", default=flag_default("json", ""), help="also write the rows to this JSON file")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes_mb.split(",") if s]
     kinds = [k for k in args.transports.split(",") if k]
 
-    rows: list[tuple[str, int, float, float | None]] = []
-    for mb in sizes:
-        nbytes = mb << 20
-        for device in ["cpu"] + (["cuda"] if "cuda_ipc" in kinds else []):
-            rows.append(
-                (
-                    f"torch copy ({device})",
-                    mb,
-                    _gbps(nbytes, bench_copy(mb, args.repeats, device)),
-                    None,
-                )
-            )
-        if "tcp" in kinds:
-            rows.append(("loopback socket", mb, _gbps(nbytes, bench_socket(mb, args.repeats)), None))
-        for algorithm, device in [("crc32", "cpu"), ("wsum64", "cpu")] + (
-            [("wsum64", "cuda")] if "cuda_ipc" in kinds else []
-        ):
-            rows.append(
-                (
-                    f"checksum {algorithm} ({device})",
-                    mb,
-                    _gbps(nbytes, bench_checksum(mb, algorithm, device)),
-                    None,
-                )
-            )
-        for kind in kinds:
-            device = "cuda" if kind == "cuda_ipc" else "cpu"
-            deliver, rt = bench_transport(kind, mb, args.repeats, device)
-            rows.append((kind, mb, _gbps(nbytes, deliver), _gbps(nbytes, rt)))
-
-    print(f"{'what':<26} {'MiB':>5} {'deliver GB/s':>13} {'round trip GB/s':>16}")
-    for what, mb, a, b in rows:
-        print(f"{what:<26} {mb:>5} {a:>13.2f} {'' if b is None else f'{b:.2f}':>16}")
+    rows = run(sizes, kinds, args.repeats)
+    print(format_table(
+        ["what", "MiB", "deliver GB/s", "round trip GB/s", "% of limit"],
+        [(r.what, r.mib, r.deliver_gbps, "" if r.round_trip_gbps is None else r.round_trip_gbps,
+          "" if r.pct_of_limit is None else f"{r.pct_of_limit:.0f}%") for r in rows],
+    ))
+    if args.json:
+        write_json(args.json, {"rows": [r._asdict() for r in rows]})
 
 
 if __name__ == "__main__":

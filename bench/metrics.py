@@ -68,6 +68,14 @@ def tbt_gaps(chunk_times: Sequence[float], chunk_tokens: Sequence[int]) -> list[
     return gaps
 
 
+def first_to_second_s(chunk_times: Sequence[float], chunk_tokens: Sequence[int]) -> float | None:
+    """When the second token arrived after the first, unsplit: on a disaggregated server, the
+    hand-off gap; elsewhere the first TBT. 0 when the first chunk carried both; None below two."""
+    if chunk_tokens and chunk_tokens[0] >= 2:
+        return 0.0
+    return chunk_times[1] - chunk_times[0] if len(chunk_times) >= 2 else None
+
+
 def itl_gaps(chunk_times: Sequence[float]) -> list[float]:
     """vLLM's ITL: one gap per chunk after the first, unsplit."""
     return [b - a for a, b in itertools.pairwise(chunk_times)]
@@ -204,6 +212,7 @@ def summarize(records: Sequence[RequestRecord], info: RunInfo, slo: SLO) -> dict
     _stats("tpot", [t for r in ok if (t := tpot_s(r)) is not None], s)
     _stats("itl", [g for r in ok for g in itl_gaps(r.chunk_times)], s)
     _stats("tbt", [g for r in ok for g in tbt_gaps(r.chunk_times, r.chunk_tokens)], s)
+    _stats("first_to_second", [g for r in ok if (g := first_to_second_s(r.chunk_times, r.chunk_tokens)) is not None], s)
     _stats("e2el", [r.e2e_s for r in ok], s)
     _stats("ttft_intended", [r.chunk_times[0] - r.intended_s for r in ok if r.chunk_times], s)
     _stats("e2el_intended", [r.end_s - r.intended_s for r in ok], s)

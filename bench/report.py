@@ -79,6 +79,8 @@ def format_summary(s: dict, title: str = "Serving Benchmark Result") -> str:
                 ("Inter-token Latency (per chunk)", "itl", "ITL"),
                 ("End-to-end Latency", "e2el", "E2EL"),
                 ("Send lag (intended -> actual)", "send_lag", "Lag")]
+    if "mean_first_to_second_ms" in s:  # summaries written before it have none
+        sections.insert(4, ("First -> second token (the hand-off if disaggregated)", "first_to_second", "1st->2nd"))
     if "mean_server_queue_ms" in s:
         sections.append(("Server-reported queueing", "server_queue", "Queue"))
     for header, key, short in sections:
@@ -94,11 +96,29 @@ def format_summary(s: dict, title: str = "Serving Benchmark Result") -> str:
     if s.get("bubble_fraction"):
         lines.append(f"{' Pipeline bubbles (idle / wall per stage) ':-^60}")
         lines += [f"{worker + ':':<44}{' / '.join(f'{f:.2f}' for f in fr):>16}" for worker, fr in s["bubble_fraction"].items()]
+    if s.get("handoff_split"):
+        lines += _handoff_lines(s["handoff_split"])
     if s.get("errors"):
         lines.append(f"{' Errors ':-^60}")
         lines += [f"{n:>5} x {msg[:52]}" for msg, n in s["errors"].items()]
     lines.append("=" * 60)
     return "\n".join(lines)
+
+
+_HANDOFF_ROWS = (("mean_gap_ms", "Gap, first -> second token (ms)"), ("mean_wait_ms", "  wait for the prefill (ms)"),
+                 ("mean_send_ms", "  send (ms)"), ("mean_verify_ms", "  verify (ms)"), ("mean_load_ms", "  load (ms)"))
+
+
+def _handoff_lines(split: dict) -> list[str]:
+    """The router's hand-off split: means, which add up (bench/handoff_scrape.py)."""
+    counts = f"{split['handoffs']} / {split['timed_handoffs']}"
+    lines = [f"{' Hand-offs at the router (means) ':-^60}", f"{'Hand-offs (with a gap / with phases):':<44}{counts:>16}"]
+    lines += [f"{label + ':':<44}{_fmt(split[key]):>16}" for key, label in _HANDOFF_ROWS if key in split]
+    if "mean_kv_bytes" in split:
+        lines.append(f"{'KV per hand-off (MiB):':<44}{_fmt(split['mean_kv_bytes'] / 2**20):>16}")
+    if "mean_parts" in split:
+        lines.append(f"{'KV parts per hand-off:':<44}{_fmt(split['mean_parts']):>16}")
+    return lines
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

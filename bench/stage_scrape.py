@@ -23,13 +23,13 @@ def stage_seconds(text: str) -> dict[tuple[str, int], dict[str, float]]:
     return out
 
 
-def scrape(base_url: str) -> dict[tuple[str, int], dict[str, float]]:
-    """The stage seconds a server reports now (none where it has no /metrics or no stages)."""
+def metrics_page(base_url: str) -> str:
+    """A server's /metrics now ("" where it has none)."""
     try:
         r = httpx.get(base_url.rstrip("/") + "/metrics", timeout=5)
     except httpx.HTTPError:
-        return {}
-    return stage_seconds(r.text) if r.status_code == 200 else {}
+        return ""
+    return r.text if r.status_code == 200 else ""
 
 
 def bubble_fractions(before: dict, after: dict) -> dict[str, list[float]]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.bench import plots, report, stage_scrape
+from pdserve.bench import handoff_scrape, plots, report, stage_scrape
 from pdserve.bench.client import Api, Endpoint, default_model
 from pdserve.bench.loadgen import LoadConfig, LoadMode, run_load_sync
 from pdserve.bench.metrics import SLO, RunInfo, summarize
@@ -102,12 +102,18 @@ def run_point(plan: Plan, out_dir: Path, rate: float | None = None, label: str =
     endpoint = Endpoint(base_url=plan.base_url, model=model, api=plan.api, api_key=plan.api_key,
                         exact_output_len=plan.exact_output_len)
     log.info("benchmark %s: %d requests against %s (%s)", label or "run", len(specs), plan.base_url, model)
-    stages_before = stage_scrape.scrape(plan.base_url)
+    page_before = stage_scrape.metrics_page(plan.base_url)
+    stages_before = stage_scrape.stage_seconds(page_before)
     result = _pinned(plan.client_cpus, lambda: run_load_sync(specs, endpoint, plan.load))
-    bubbles = {}
-    if stages_before:  # heartbeats carry the stage counters: one beat more has the run's last steps
-        time.sleep(stage_scrape.HEARTBEAT_WAIT_S)
-        bubbles = stage_scrape.bubble_fractions(stages_before, stage_scrape.scrape(plan.base_url))
+    page_after = ""
+    if page_before:
+        if stages_before:  # heartbeats carry the stage counters: one beat more has the run's last steps
+            time.sleep(stage_scrape.HEARTBEAT_WAIT_S)
+        page_after = stage_scrape.metrics_page(plan.base_url)
+    bubbles = stage_scrape.bubble_fractions(stages_before, stage_scrape.stage_seconds(page_after)) \
+        if stages_before else {}
+    handoffs = handoff_scrape.handoff_split(handoff_scrape.handoff_moments(page_before),
+                                            handoff_scrape.handoff_moments(page_after))
     effective_rate = rate if rate is not None else plan.workload.request_rate
     if plan.workload_file and rate is None:
         effective_rate = math.nan  # the file's own arrival times
@@ -120,6 +126,8 @@ def run_point(plan: Plan, out_dir: Path, rate: float | None = None, label: str =
     summary = summarize(result.records, info, plan.slo)
     if bubbles:
         summary["bubble_fraction"] = bubbles  # worker -> per stage, over the run
+    if handoffs:
+        summary["handoff_split"] = handoffs  # the router's means over the run's hand-offs
     out_dir.mkdir(parents=True, exist_ok=True)
     report.write_json(out_dir / "summary.json", summary)
     report.write_records(out_dir / "requests.jsonl", result.records)

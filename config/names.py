@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 KV_TRANSPORTS = ("tcp", "shm", "cuda_ipc")
+KV_STREAMING = ("layer", "request")  # --kv-streaming: a prefill chunk's KV leaves as it lands, or all at the end
 AUTO_DTYPE = "auto"  # bfloat16 where the device computes it natively, else float32 (model/config.py)
 DTYPES = (AUTO_DTYPE, "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("cpu", "reference", "triton")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pdserve.config import envs
 from pdserve.config.engine import ConfigError, add_engine_arguments
 from pdserve.config.envs import add_env_argument, flag_default
-from pdserve.config.names import KV_TRANSPORTS
+from pdserve.config.names import KV_STREAMING, KV_TRANSPORTS
 from pdserve.config.router_address import parse_router_addresses
 from pdserve.config.tracing import add_tracing_arguments
 
@@ -41,6 +41,7 @@ class WorkerOptions:
     heartbeat_interval: float = 1.0
     stuck_after: float = 60.0  # seconds without a loop tick before /health fails
     kv_lease: float = 5.0
+    kv_streaming: str = "layer"  # a prefill worker ships each prompt chunk's KV as it lands; "request": at the end
     # The deployment secret (None only with insecure=True); never printed, never on argv.
     secret: bytes | None = field(default=None, repr=False)
     insecure: bool = False
@@ -50,6 +51,8 @@ class WorkerOptions:
         if bad or not self.kv_transports:
             raise ConfigError(f"--kv-transport: unknown transport(s) {bad or list(self.kv_transports)}; "
                               f"use {', '.join(KV_TRANSPORTS)}")
+        if self.kv_streaming not in KV_STREAMING:
+            raise ConfigError(f"--kv-streaming must be one of {', '.join(KV_STREAMING)}, got {self.kv_streaming!r}")
         if self.heartbeat_interval <= 0 or self.drain_timeout < 0:
             raise ConfigError("--heartbeat-interval must be positive and --drain-timeout not negative")
         parse_router_addresses(self.router_address)
@@ -79,6 +82,10 @@ def add_worker_arguments(p: argparse.ArgumentParser, kv_port: int, health_port: 
     g.add_argument("--host-id", default=flag_default("host-id", ""),
                    help="workers with the same host id may use shm / CUDA IPC (default: the hostname)")
     g.add_argument("--worker-id", default=flag_default("worker-id", None), help="unique name (default: role-host-pid)")
+    g.add_argument("--kv-streaming", choices=KV_STREAMING, default=flag_default("kv-streaming", "layer"),
+                   help="when a prefill worker ships a request's KV: layer (default) sends the blocks of each "
+                        "prompt chunk, every layer, as soon as the chunk has computed them, so only the last "
+                        "chunk's KV is left when the first token is out; request sends it all after the prompt")
     g.add_argument("--drain-timeout", type=float, default=flag_default("drain-timeout", 20.0),
                    help="seconds to finish in-flight requests after SIGTERM")
     g.add_argument("--heartbeat-interval", type=float, default=flag_default("heartbeat-interval", 1.0))
@@ -133,7 +140,7 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
         host=args.host, advertise_host=args.advertise_host,
         kv_port=args.kv_port, health_port=args.health_port, kv_transports=parse_transports(args.kv_transport),
         host_id=args.host_id, worker_id=args.worker_id, drain_timeout=args.drain_timeout,
-        heartbeat_interval=args.heartbeat_interval,
+        heartbeat_interval=args.heartbeat_interval, kv_streaming=args.kv_streaming,
         secret=resolve_secret(args.secret_file, args.insecure), insecure=args.insecure,
     )
 
@@ -144,7 +151,8 @@ def worker_argv(options: WorkerOptions) -> list[str]:
            "--router-resolve-interval", str(options.router_resolve_interval), "--host", options.host,
            "--kv-port", str(options.kv_port), "--health-port", str(options.health_port),
            "--kv-transport", ",".join(options.kv_transports),
-           "--drain-timeout", str(options.drain_timeout), "--heartbeat-interval", str(options.heartbeat_interval)]
+           "--drain-timeout", str(options.drain_timeout), "--heartbeat-interval", str(options.heartbeat_interval),
+           "--kv-streaming", options.kv_streaming]
     if options.advertise_host:
         out += ["--advertise-host", options.advertise_host]
     if options.host_id:

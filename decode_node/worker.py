@@ -55,6 +55,7 @@ class DecodeWorker(Worker):
         options = replace(options, kv_transports=tuple(dict.fromkeys((*options.kv_transports, "tcp"))))
         super().__init__(options, engine, fingerprint)
         self.kv_in = connector
+        self.handoff_timings = connector.timings
         self.receiver: KVReceiver = make_receiver(
             options.kv_transports[0], f"tcp://{options.host}:{options.kv_port}", fingerprint=fingerprint,
             auth=FrameAuth.from_secret(options.secret), receiver_id=self.worker_id,
@@ -77,6 +78,8 @@ class DecodeWorker(Worker):
 
     def abort(self, request_ids) -> None:
         self.engine.abort(request_ids)  # the connector NACKs a transfer its request had not loaded
+        for rid in request_ids:
+            self.handoff_timings.pop(rid, None)
         self.aborted.add(request_ids)
         self._send_acks()
 

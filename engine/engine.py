@@ -18,7 +18,7 @@ from typing import NamedTuple
 from pdserve.config.engine import EngineConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.device import kv_cache_blocks, weights_bytes
-from pdserve.engine.kv_connector import KVConnector, KVSave
+from pdserve.engine.kv_connector import KVConnector, KVSave, KVStream
 from pdserve.engine.pipeline import MicroBatch, PipelineRunner, stage_weights
 from pdserve.engine.policies import make_policy
 from pdserve.engine.request import Request, RequestStatus
@@ -147,6 +147,7 @@ class Engine:
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
         self._compiles: dict[str, tuple[Future[GrammarMatcher], list[int]]] = {}  # id -> (matcher, tokens so far)
         self._saves: list[KVSave] = []
+        self._streams: list[KVStream] = []
         log.info("engine up: policy=%s connector=%s model=%s blocks=%d x %d device=%s dtype=%s linears=%s "
                  "deterministic=%s", policy.name, type(self.connector.scheduler).__name__, self.model_name,
                  num_blocks, config.block_size, config.device, str(self.runner.dtype).removeprefix("torch."),
@@ -314,9 +315,19 @@ class Engine:
             outputs.append(RequestOutput(req.request_id, [req.token_ids[-1]], reason, lp, top,
                                          req.num_prompt_tokens, req.num_cached_tokens, error=req.error,
                                          position=req.num_output_tokens - 1, kv_held=kv_held))
+        for req, _ in out.scheduled:  # prompt chunks that landed: their KV may leave now
+            if req.status is RequestStatus.RUNNING and req.request_id not in sampled:
+                self.connector.scheduler.chunk_computed(req, self._landed_tokens(req), out.kv)
+        self._streams.extend(out.kv.streams)
         self._saves.extend(out.kv.saves)
         self._record(start, now, out)
         return outputs
+
+    def _landed_tokens(self, req: Request) -> int:
+        """Tokens of `req` with KV in every layer: its computed count, less the chunks of it
+        still in flight through the pipeline's stages (launched ones count as computed)."""
+        ahead = sum(n for out, _, _ in self._in_flight for r, n in out.scheduled if r is req and r in out.advanced)
+        return req.num_computed_tokens - ahead
 
     def check(self) -> None:
         """Raise PipelineBroken where a pipeline stage has died (a worker's loop asks every turn)."""
@@ -341,6 +352,9 @@ class Engine:
     def save_kv(self) -> None:
         """Hand the KV of requests held this step to the connector (after their outputs are out,
         so that a first token never waits for its KV transfer)."""
+        streams, self._streams = self._streams, []
+        if streams:
+            self.connector.worker.stream(streams, self.runner)
         saves, self._saves = self._saves, []
         if saves:
             self.connector.worker.save(saves, self.runner)

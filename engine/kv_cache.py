@@ -43,9 +43,12 @@ def _ids(kv_cache: torch.Tensor, block_ids: BlockIds, *, unique: bool) -> torch.
     return ids.to(kv_cache.device)
 
 
-def gather_blocks(kv_cache: torch.Tensor, block_ids: BlockIds) -> torch.Tensor:
+def gather_blocks(kv_cache: torch.Tensor, block_ids: BlockIds, out: torch.Tensor | None = None) -> torch.Tensor:
     """A new contiguous [L, 2, n, S, H, D] tensor holding `block_ids` in order (on kv_cache's device)."""
-    return torch.index_select(kv_cache, 2, _ids(kv_cache, block_ids, unique=False)).contiguous()
+    ids = _ids(kv_cache, block_ids, unique=False)
+    if out is not None:  # straight into the caller's buffer (a shm segment): no copy after
+        return torch.index_select(kv_cache, 2, ids, out=out)
+    return torch.index_select(kv_cache, 2, ids).contiguous()
 
 
 def scatter_blocks(kv_cache: torch.Tensor, block_ids: BlockIds, payload: torch.Tensor) -> None:

@@ -38,7 +38,7 @@ class BlockStore(Protocol):
     @property
     def block_size(self) -> int: ...
 
-    def read_blocks(self, block_ids) -> torch.Tensor: ...
+    def read_blocks(self, block_ids, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def write_blocks(self, block_ids, payload: torch.Tensor) -> None: ...
 
@@ -49,6 +49,15 @@ class KVLoad(NamedTuple):
     request_id: str
     block_ids: list[int]
     num_tokens: int
+
+
+class KVStream(NamedTuple):
+    """Ship blocks `block_ids` (blocks first_block, first_block + 1, ... of the request) now: a
+    prompt chunk completed them and the request goes on elsewhere once its prefill ends."""
+
+    request: Request
+    block_ids: list[int]
+    first_block: int
 
 
 class KVSave(NamedTuple):
@@ -62,11 +71,12 @@ class KVSave(NamedTuple):
 @dataclass(slots=True)
 class KVConnectorMetadata:
     """What one step asks of the worker half: offloads, then loads, before the model runs;
-    saves after its outputs are published."""
+    streams and saves after its outputs are published."""
 
     offloads: list[KVSave] = field(default_factory=list)
     loads: list[KVLoad] = field(default_factory=list)
     saves: list[KVSave] = field(default_factory=list)
+    streams: list[KVStream] = field(default_factory=list)
 
 
 class KVConnectorScheduler(ABC):
@@ -90,6 +100,10 @@ class KVConnectorScheduler(ABC):
     def take_released(self) -> list[str]:
         """Held requests whose blocks may be freed now (each named once)."""
 
+    def chunk_computed(self, req: Request, num_tokens: int, meta: KVConnectorMetadata) -> None:
+        """A prompt chunk of `req` landed: its first `num_tokens` tokens have KV in every layer.
+        A connector that streams KV out while the prompt is prefilled adds a KVStream to `meta`."""
+
     def request_preempted(self, req: Request, meta: KVConnectorMetadata) -> bool:
         """`req` is pre-empted and loses its blocks. True: the connector keeps its computed KV
         (an offload in `meta`) and `num_external_tokens` offers it back at re-admission;
@@ -108,6 +122,11 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def save(self, saves: list[KVSave], runner: BlockStore) -> None:
         """Ship each saved request's blocks out (after the step's outputs are published)."""
+
+    def stream(self, streams: list[KVStream], runner: BlockStore) -> None:
+        """Ship each stream's blocks (after the step's outputs are published)."""
+        if streams:
+            raise AssertionError(f"{type(self).__name__} streams no KV")
 
     def offload(self, offloads: list[KVSave], runner: BlockStore) -> None:
         """Copy pre-empted requests' blocks out before the step reuses them."""

@@ -404,7 +404,7 @@ class PipelineRunner:
                 self._post(self.links.fwd, ids, k)
         return ids
 
-    def read_blocks(self, block_ids: BlockIds) -> torch.Tensor:
+    def read_blocks(self, block_ids: BlockIds, out: torch.Tensor | None = None) -> torch.Tensor:
         """[L, 2, n, S, Hkv, D] of every layer: stage 0's own and each stage's, in layer order."""
         self.check()
         local = self.runner.read_blocks(block_ids)  # checks the ids first
@@ -417,7 +417,7 @@ class PipelineRunner:
                 _recv(self.links.kv, part, k, f"stage {k} KV read")
             parts.append(part)
         self._retire(self._posted)  # every stage answered: it took all that came before
-        return torch.cat(parts, dim=0)
+        return torch.cat(parts, dim=0) if out is None else torch.cat(parts, dim=0, out=out)
 
     def write_blocks(self, block_ids: BlockIds, payload: torch.Tensor) -> None:
         """Each stage's layers of `payload` into its cache (KVPayloadError before anything moves

@@ -166,9 +166,10 @@ class ModelRunner:
         use_linear_method(self.model, method)
         return method.cpu_linear
 
-    def read_blocks(self, block_ids: BlockIds) -> torch.Tensor:
-        """A contiguous copy of these blocks, [L, 2, n, S, Hkv, D] (what a KV save ships)."""
-        return gather_blocks(self.kv_cache, block_ids)
+    def read_blocks(self, block_ids: BlockIds, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A contiguous copy of these blocks, [L, 2, n, S, Hkv, D] (what a KV save ships), in
+        `out` when given."""
+        return gather_blocks(self.kv_cache, block_ids, out)
 
     def write_blocks(self, block_ids: BlockIds, payload: torch.Tensor) -> None:
         """Copy payload block i into block `block_ids[i]` (a KV load); KVPayloadError if it does not fit."""

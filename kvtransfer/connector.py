@@ -9,6 +9,16 @@ lease expiry (which also yields a NACK):
     request_finished -> held + KVSave  -> save(): read_blocks -> sender.send   (in flight)
     poll_acks(): KVAck -> released -> the scheduler frees the blocks (they stay in the prefix cache)
 
+With streaming (`--kv-streaming layer`, the default) the KV does not wait for the prompt's end:
+each prompt chunk that lands ships the blocks it completed, every layer, as a KVPart, and the
+transfer at the end carries only the rest (the last chunk's blocks), naming how many parts came
+before it. The decode worker verifies each part as it arrives and admits the request only when the
+transfer that ends the stream has arrived and verified too:
+
+    chunk_computed -> KVStream -> stream(): read_blocks -> sender.send_part   (part k)
+    ... request_finished -> save(): the remaining blocks -> sender.send (parts=k+1)
+    a request that ends at its first token, or is aborted: sender.cancel_stream
+
 DecodeConnector, on a decode worker. A transfer that arrived and verified is kept here while its
 request waits for admission; admission allocates blocks for the transferred tokens, and the
 step's load copies the payload into them before the model runs:
@@ -41,12 +51,13 @@ from pdserve.engine.kv_connector import (
     KVConnectorWorker,
     KVLoad,
     KVSave,
+    KVStream,
 )
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.kvtransfer.tensors import describe
+from pdserve.kvtransfer.tensors import ALLOWED_DTYPES, describe
 from pdserve.kvtransfer.transport import KVSender, ReceivedKV, make_sender
 from pdserve.protocol.auth import FrameAuth
-from pdserve.protocol.messages import KVTransfer, ModelFingerprint
+from pdserve.protocol.messages import HandoffTiming, KVPart, KVTransfer, ModelFingerprint
 from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -64,6 +75,9 @@ class HandoffTarget:
     first_token_at: float = 0.0  # its first token was out (handed to the router link)
     sent_at: float = 0.0  # KV handed to the transport
     nbytes: int = 0
+    parts: int = 0  # streamed parts sent
+    streamed_blocks: int = 0  # blocks [0, streamed_blocks) went in those parts
+    broken: bool = False  # a part could not go: the KV goes whole at the end instead
 
 
 class HandoffResult(NamedTuple):
@@ -74,6 +88,28 @@ class HandoffResult(NamedTuple):
 
 def _untraced(request_id: str) -> str:
     return ""
+
+
+def handoff_timing(rkv: ReceivedKV, nbytes: int, loaded_at: float | None = None) -> HandoffTiming:
+    """Where a loaded transfer's hand-off went (protocol/messages.py HandoffTiming). The prefill's
+    timestamps are its host's clock: between hosts a skewed clock shows as 0, never below."""
+    meta = rkv.meta
+    loaded_at = time.time() if loaded_at is None else loaded_at
+    return HandoffTiming(wait=max(0.0, meta.sent_at - meta.first_token_at) if meta.first_token_at else 0.0,
+                         send=max(0.0, rkv.arrived_at - meta.sent_at) if meta.sent_at else 0.0,
+                         verify=max(0.0, rkv.verified_at - rkv.arrived_at),
+                         load=max(0.0, loaded_at - rkv.verified_at), nbytes=nbytes, parts=meta.parts + 1)
+
+
+def _check_tiling(pieces: list[tuple[int, torch.Tensor]], num_blocks: int) -> None:
+    """Raise KVPayloadError unless the pieces cover blocks 0..num_blocks, each once, in order."""
+    at = 0
+    for first, part in pieces:
+        if first != at or part.dim() != 6:
+            raise KVPayloadError(f"KV pieces do not follow each other: one starts at block {first}, expected {at}")
+        at += part.shape[2]
+    if at != num_blocks:
+        raise KVPayloadError(f"the KV covers {at} blocks, the request was given {num_blocks}")
 
 
 def first_token_only(sampling: SamplingParams, num_generated: int = 0) -> SamplingParams:
@@ -87,8 +123,9 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
     """Holds, ships and releases the KV of requests that continue on a decode worker."""
 
     def __init__(self, fingerprint: ModelFingerprint, worker_id: str, max_model_len: int,
-                 lease_s: float = 5.0, auth: FrameAuth | None = None) -> None:
+                 lease_s: float = 5.0, auth: FrameAuth | None = None, streaming: bool = True) -> None:
         self.fingerprint = fingerprint
+        self.streaming = streaming  # ship each prompt chunk's blocks as it lands (--kv-streaming layer)
         self.auth = auth  # signs every KV frame (None: unauthenticated, --insecure)
         self.worker_id = worker_id
         self.max_model_len = max_model_len
@@ -111,9 +148,17 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
 
     def forget(self, request_id: str) -> None:
         """The request was aborted: nothing more to ship (a transfer in flight still ends in an
-        ack or a lease expiry)."""
-        self.targets.pop(request_id, None)
+        ack or a lease expiry; parts streamed before it are dropped on both sides)."""
+        target = self.targets.pop(request_id, None) or self._held.pop(request_id, None)
         self._held.pop(request_id, None)
+        if target is not None:
+            self._cancel_stream(request_id, target)
+
+    def _cancel_stream(self, request_id: str, target: HandoffTarget) -> None:
+        if target.parts:
+            self._sender(target.transport).cancel_stream(target.address, request_id, self.worker_id,
+                                                         target.receiver_id)
+            target.parts = target.streamed_blocks = 0
 
     def poll_acks(self) -> list[HandoffResult]:
         """Acks that came back since the last call (and saves that failed here); each releases
@@ -148,10 +193,12 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
 
     def request_finished(self, req: Request, meta: KVConnectorMetadata) -> bool:
         target = self.targets.pop(req.request_id, None)
-        if target is None or req.status is not RequestStatus.FINISHED_LENGTH:
-            return False  # stopped for good (EOS, a stop token), aborted, or not ours
-        if req.num_output_tokens >= target.sampling.max_tokens or req.num_tokens >= self.max_model_len:
-            return False  # its own limit, not the cap: it ends here
+        if target is None:
+            return False
+        if (req.status is not RequestStatus.FINISHED_LENGTH  # stopped for good (EOS, a stop token), aborted
+                or req.num_output_tokens >= target.sampling.max_tokens or req.num_tokens >= self.max_model_len):
+            self._cancel_stream(req.request_id, target)  # its own limit, not the cap: it ends here
+            return False
         self._held[req.request_id] = target
         meta.saves.append(KVSave(req, list(req.block_ids)))
         return True
@@ -160,9 +207,42 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
         out, self._released = self._released, []
         return out
 
+    def chunk_computed(self, req: Request, num_tokens: int, meta: KVConnectorMetadata) -> None:
+        target = self.targets.get(req.request_id)
+        if not self.streaming or target is None or target.broken:
+            return
+        full = num_tokens // self.fingerprint.block_size  # complete blocks: no later token writes them
+        if full > target.streamed_blocks:
+            meta.streams.append(KVStream(req, req.block_ids[target.streamed_blocks:full], target.streamed_blocks))
+            target.streamed_blocks = full
+
     # --- worker half -------------------------------------------------------------------------
     def load(self, loads: list[KVLoad], runner: BlockStore) -> dict[str, str]:
         raise AssertionError("a prefill worker loads no KV")
+
+    def stream(self, streams: list[KVStream], runner: BlockStore) -> None:
+        for st in streams:
+            req = st.request
+            target = self.targets.get(req.request_id)
+            if target is None or target.broken:
+                continue  # aborted since, or its stream broke: the KV goes whole at the end
+            sender = self._sender(target.transport)
+            total = -(-req.num_tokens // self.fingerprint.block_size)
+            try:
+                payload = self._gather(sender, runner, st.block_ids)
+                part = KVPart(request_id=req.request_id, prefill_worker_id=self.worker_id,
+                              receiver_id=target.receiver_id, seq=target.parts, first_block=st.first_block,
+                              total_blocks=total, fingerprint=self.fingerprint,
+                              tensor=describe(payload, with_checksum=False), transport=target.transport)
+                sender.send_part(target.address, part, payload)
+            except Exception as exc:  # e.g. an address the transport cannot dial
+                log.warning("request %s: streaming KV part %d failed, sending it whole at the end: %r",
+                            req.request_id, target.parts, exc)
+                self._cancel_stream(req.request_id, target)
+                target.broken = True
+                continue
+            target.parts += 1
+            target.nbytes += part.tensor.nbytes
 
     def save(self, saves: list[KVSave], runner: BlockStore) -> None:
         published = time.time()  # the engine saves only after the step's tokens were handed on
@@ -181,7 +261,9 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
                 self._failed.append(HandoffResult(req.request_id, False, f"cannot send the KV: {exc}"))
 
     def _ship(self, req: Request, block_ids: list[int], target: HandoffTarget, runner: BlockStore) -> None:
-        payload = runner.read_blocks(block_ids)
+        first = target.streamed_blocks if target.parts else 0  # the parts carried the rest
+        sender = self._sender(target.transport)
+        payload = self._gather(sender, runner, block_ids[first:])
         meta = KVTransfer(
             request_id=req.request_id, prefill_worker_id=self.worker_id,
             prompt_token_ids=tuple(req.prompt_token_ids), output_token_ids=tuple(req.output_token_ids),
@@ -189,10 +271,27 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
             fingerprint=self.fingerprint, tensor=describe(payload, with_checksum=False),
             transport=target.transport, arrival_time=req.arrival_time, epoch=target.epoch,
             trace_context=self.trace_context(req.request_id), receiver_id=target.receiver_id,
+            first_block=first, parts=target.parts, first_token_at=target.first_token_at,
         )
-        target.sent_at, target.nbytes = time.time(), payload.numel() * payload.element_size()
+        target.sent_at = time.time()
+        target.nbytes += payload.numel() * payload.element_size()
         self.in_flight[req.request_id] = target
-        self._sender(target.transport).send(target.address, meta, payload)
+        sender.send(target.address, msgspec.structs.replace(meta, sent_at=target.sent_at), payload)
+
+    def _gather(self, sender: KVSender, runner: BlockStore, block_ids: list[int]) -> torch.Tensor:
+        """The blocks' KV, gathered straight into the transport's own buffer where it has one
+        (a shm segment: no copy after this one)."""
+        staging = getattr(sender, "staging", None)
+        if staging is None:
+            return runner.read_blocks(block_ids)
+        fp = self.fingerprint
+        buf = staging((fp.num_layers, 2, len(block_ids), fp.block_size, fp.num_kv_heads, fp.head_dim),
+                      ALLOWED_DTYPES[fp.dtype])
+        try:
+            return runner.read_blocks(block_ids, out=buf)
+        except BaseException:
+            sender.release_staging(buf)  # type: ignore[attr-defined]
+            raise
 
     def _sender(self, kind: str) -> KVSender:
         if kind not in self._senders:
@@ -212,6 +311,8 @@ class DecodeConnector(KVConnectorScheduler, KVConnectorWorker):
         self.bytes_received = 0
         self.num_offloads = 0
         self._results: list[HandoffResult] = []
+        # Loaded transfers' hand-off timings, until the worker sends the request's first token.
+        self.timings: dict[str, HandoffTiming] = {}
 
     # --- the decode worker's side ------------------------------------------------------------
     def expect(self, rkv: ReceivedKV) -> None:
@@ -246,6 +347,8 @@ class DecodeConnector(KVConnectorScheduler, KVConnectorWorker):
     def request_finished(self, req: Request, meta: KVConnectorMetadata) -> bool:
         self.give_up(req.request_id, "aborted" if req.status is RequestStatus.FINISHED_ABORTED else req.status.value)
         self.offloaded.pop(req.request_id, None)
+        if req.status is RequestStatus.FINISHED_ABORTED:
+            self.timings.pop(req.request_id, None)  # no token will carry it
         return False
 
     def request_preempted(self, req: Request, meta: KVConnectorMetadata) -> bool:
@@ -277,12 +380,15 @@ class DecodeConnector(KVConnectorScheduler, KVConnectorWorker):
                 runner.write_blocks(load.block_ids, kept[0])
                 continue
             rkv = self.arrived.pop(load.request_id, None)
-            if rkv is None or rkv.payload is None:
+            pieces = rkv.pieces() if rkv is not None else []
+            if rkv is None or not pieces:
                 failures[load.request_id] = "KV transfer is gone"
                 continue
             if rkv.within_lease():
                 try:
-                    runner.write_blocks(load.block_ids, rkv.payload)
+                    _check_tiling(pieces, len(load.block_ids))
+                    for first, part in pieces:  # streamed parts, then the transfer's own blocks
+                        runner.write_blocks(load.block_ids[first : first + part.shape[2]], part)
                 except (KVPayloadError, RuntimeError) as exc:
                     failures[load.request_id] = f"KV transfer refused: {exc}"
                     self._results.append(HandoffResult(load.request_id, False, str(exc)))
@@ -293,7 +399,9 @@ class DecodeConnector(KVConnectorScheduler, KVConnectorWorker):
                 failures[load.request_id] = "KV transfer lease expired"
                 self._results.append(HandoffResult(load.request_id, False, "lease expired"))
                 continue
-            self.bytes_received += rkv.meta.tensor.nbytes
+            nbytes = sum(part.numel() * part.element_size() for _, part in pieces)
+            self.bytes_received += nbytes
+            self.timings[load.request_id] = handoff_timing(rkv, nbytes)
             self._results.append(HandoffResult(load.request_id, True, ""))
         return failures
 

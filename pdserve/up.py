@@ -32,7 +32,7 @@ from pdserve.config.engine import (
     engine_config,
 )
 from pdserve.config.envs import flag_default
-from pdserve.config.names import COLOCATED_POLICIES, KV_TRANSPORTS
+from pdserve.config.names import COLOCATED_POLICIES, KV_STREAMING, KV_TRANSPORTS
 from pdserve.config.router import (
     API_KEY_ENV,
     add_router_arguments,
@@ -64,6 +64,9 @@ def register(sub) -> None:
     p.add_argument("--num-decode", type=int, default=flag_default("num-decode", 1),
                    help="decode workers (colocated workers with --colocated)")
     p.add_argument("--kv-transport", default=flag_default("kv-transport", "shm"), choices=KV_TRANSPORTS)
+    p.add_argument("--kv-streaming", default=flag_default("kv-streaming", "layer"), choices=KV_STREAMING,
+                   help="layer (default): prefill workers send each prompt chunk's KV, every layer, as soon as the "
+                        "chunk has computed it; request: all of it after the prompt")
     p.add_argument("--gpus", default=flag_default("gpus", ""),
                    help="with --device cuda: the GPUs to spread the workers over, e.g. 0,1 (default: every visible "
                         "one); one worker per GPU, in turn, those sharing a GPU splitting --gpu-memory-utilization "
@@ -145,7 +148,8 @@ def plan(args) -> list[tuple[str, list[str], tuple[int, ...] | None]]:
     for n, (role, i) in enumerate(roles):
         transports = (args.kv_transport,) if role == "decode" else KV_TRANSPORTS
         options = WorkerOptions(router_address=control, host="127.0.0.1", kv_transports=transports,
-                                worker_id=f"{role}-{i}", drain_timeout=args.drain_timeout)
+                                worker_id=f"{role}-{i}", drain_timeout=args.drain_timeout,
+                                kv_streaming=args.kv_streaming)
         on_gpu = engine if placements is None else engine_argv(
             replace(config, device=placements[n].device, gpu_memory_utilization=placements[n].gpu_memory_utilization),
             threads=threads)

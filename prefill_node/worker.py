@@ -56,7 +56,8 @@ class PrefillWorker(Worker):
         loaded = loaded or load_model(config.model, single_use=True, keep=stage_weights(config, 0))  # this process builds one engine
         fingerprint = model_fingerprint(config, loaded)
         connector = PrefillConnector(fingerprint, worker_id, context_length(config, loaded.config),
-                                     lease_s=options.kv_lease, auth=FrameAuth.from_secret(options.secret))
+                                     lease_s=options.kv_lease, auth=FrameAuth.from_secret(options.secret),
+                                     streaming=options.kv_streaming == "layer")
         engine = Engine(config, loaded, KVConnector(connector, connector))
         return cls(options, engine, fingerprint, connector)
 

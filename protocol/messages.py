@@ -25,7 +25,7 @@ import msgspec
 from pdserve.protocol.sampling import SamplingParams
 
 MAX_STAGES = 64  # pipeline stages a heartbeat may report
-PROTOCOL_VERSION = 8  # 8: pipeline stages' busy/idle seconds on Heartbeat; 7: KVTransfer.receiver_id, epochs on worker frames and Abort; 6: SamplingParams.structured (structured outputs); 5: retryable error causes, trace context; 4: work carries output_token_ids (migration); 3: router epochs (RegisterAck, work, KVTransfer), HeartbeatAck; 2: Register lost health_address
+PROTOCOL_VERSION = 9  # 9: KV streamed in parts (KVPart, KVTransfer.first_block/parts), hand-off timings on TokenEvent; 8: pipeline stages' busy/idle seconds on Heartbeat; 7: KVTransfer.receiver_id, epochs on worker frames and Abort; 6: SamplingParams.structured (structured outputs); 5: retryable error causes, trace context; 4: work carries output_token_ids (migration); 3: router epochs (RegisterAck, work, KVTransfer), HeartbeatAck; 2: Register lost health_address
 
 Role = Literal["prefill", "decode", "colocated"]
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -64,6 +64,26 @@ class TensorHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 # --- control channel: worker -> router -------------------------------------------------------
+
+
+class HandoffTiming(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where a disaggregated request's hand-off went, in seconds, as its decode worker measured
+    it (on the first token event it sends for the request). From the prefill's first token:
+
+    wait    the prefill worker finishing: the last KV part handed to its transport
+    send    that part's staging and crossing, to its arrival at the decode worker
+    verify  the decode side checking it (checksum, shape, fingerprint)
+    load    waiting for admission, and the KV written into the decode worker's cache
+
+    The gap between the first token and the second is these plus the first decode step.
+    """
+
+    wait: float
+    send: float
+    verify: float
+    load: float
+    nbytes: int = 0  # KV bytes received for the request, every part
+    parts: int = 1  # messages the KV came in (1: whole, after the prefill ended)
 
 
 class Register(_Msg, tag="register", frozen=True):
@@ -121,6 +141,7 @@ class TokenEvent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # With `error`: set when the failure is this worker's alone and the request may be retried
     # elsewhere ("" : it failed for good).
     retry: RetryCause = ""
+    handoff: HandoffTiming | None = None  # the decode worker's first event of a handed-off request
 
 
 class TokenEvents(_Msg, tag="tokens", frozen=True):
@@ -193,8 +214,10 @@ class Abort(_Msg, tag="abort", frozen=True):
 class KVTransfer(_Msg, tag="kv", frozen=True):
     """A prefilled request handed to a decode worker: its tokens so far and its KV blocks.
 
-    The KV payload is one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-    covering the first `num_computed_tokens` tokens; `location` says where its bytes are.
+    The KV of the first `num_computed_tokens` tokens is [num_layers, 2, num_blocks, block_size,
+    num_kv_heads, head_dim]. This message's payload holds blocks [first_block, num_blocks);
+    `location` says where its bytes are. Blocks before `first_block` came earlier, streamed in
+    `parts` KVPart messages while the prompt was still being prefilled (0 parts: sent whole).
     """
 
     request_id: str
@@ -217,6 +240,31 @@ class KVTransfer(_Msg, tag="kv", frozen=True):
     # The decode worker it is for (its worker_id, from PrefillRequest.decode_worker_id): every other
     # receiver drops it, so a transfer captured on its way cannot be replayed into another one.
     receiver_id: str = ""
+    first_block: int = 0
+    parts: int = 0
+    # The prefill worker's wall clock: its first token out, and this message handed to the transport.
+    first_token_at: float = 0.0
+    sent_at: float = 0.0
+
+
+class KVPart(_Msg, tag="kv_part", frozen=True):
+    """Blocks [first_block, first_block + tensor.shape[2]) of a request's KV, every layer, sent
+    while its prompt is still being prefilled (`--kv-streaming layer`). The decode worker keeps
+    the parts of a stream (`seq` 0, 1, ...) until its KVTransfer ends it; `cancel` ends it
+    without one (the request ended at its first token, or was aborted): drop what came.
+    """
+
+    request_id: str
+    prefill_worker_id: str
+    receiver_id: str
+    seq: int
+    first_block: int
+    total_blocks: int  # blocks of the whole transfer, to bound what the stream may send
+    fingerprint: ModelFingerprint
+    tensor: TensorHeader
+    transport: str
+    location: bytes = b""
+    cancel: bool = False
 
 
 class KVAck(_Msg, tag="kv_ack", frozen=True):
@@ -236,5 +284,6 @@ Message = (
     | GenerateRequest
     | Abort
     | KVTransfer
+    | KVPart
     | KVAck
 )

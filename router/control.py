@@ -447,7 +447,7 @@ class ControlServer:
             self._refuse(msg.worker_id, UNKNOWN_WORKER)
         stray = []
         for ev in msg.events:
-            if not self.tracker.deliver(msg.worker_id, ev) and ev.finish_reason is None:
+            if not self.tracker.deliver(msg.worker_id, ev, now) and ev.finish_reason is None:
                 stray.append(ev.request_id)
         if stray:
             # Work this router never gave that worker (a transfer replayed into it, a request this

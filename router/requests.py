@@ -108,6 +108,7 @@ class Choice:
         self.migrations = 0
         self.base_id = request_id  # each dispatch gets its own id: base_id, then base_id~1, ...
         self.decode_started = False  # a token came from the decode worker: it holds the KV
+        self.prefill_token_at: float | None = None  # when the router received the prefill worker's token
         self.detokenizer = detokenizer
         self.stop = StopMatcher(stops)
         self.completion_tokens = 0
@@ -130,7 +131,7 @@ class Choice:
         old = self.request_id, self.route
         self.migrations += 1
         self.request_id = f"{self.base_id}~{self.migrations}"
-        self.route, self.decode_started = route, False
+        self.route, self.decode_started, self.prefill_token_at = route, False, None
         self._early.clear()  # ahead-of-order tokens of the old dispatch are not ours any more
         return old
 
@@ -351,7 +352,9 @@ class RequestTracker:
         for c in state.choices:
             self._subs.pop(c.request_id, None)
 
-    def deliver(self, worker_id: str, ev: TokenEvent) -> bool:
+    def deliver(self, worker_id: str, ev: TokenEvent, received: float) -> bool:
+        """Queue a worker's event for its request's handler (False: no request of ours). `received`
+        is when the router read it off the socket: the hand-off gap is timed from it."""
         entry = self._subs.get(ev.request_id)
         if entry is None:
             return False
@@ -364,8 +367,13 @@ class RequestTracker:
             )
             return False
         choice = state.choices[index]
-        if ev.token_ids and worker_id == choice.route.decode:
-            choice.decode_started = True
+        route = choice.route
+        if ev.token_ids and route.decode is not None:
+            if worker_id != route.decode:
+                choice.prefill_token_at = received
+            elif not choice.decode_started:  # the decode worker's first token: the hand-off is over
+                state.metrics.handoff_done(choice.prefill_token_at, received, ev.handoff)
+                choice.decode_started = True
         state.queue.put_nowait((index, worker_id, ev))
         return True
 

@@ -30,6 +30,7 @@ from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import (
     Abort,
     GenerateRequest,
+    HandoffTiming,
     Heartbeat,
     ModelFingerprint,
     PrefillRequest,
@@ -38,6 +39,7 @@ from pdserve.protocol.messages import (
     TokenEvent,
     TokenEvents,
 )
+from pdserve.worker.handoff_metrics import HandoffMetrics
 from pdserve.worker.health import HealthServer
 from pdserve.worker.router_link import Fence
 from pdserve.worker.router_links import RouterLinks
@@ -93,14 +95,17 @@ class Worker(ABC):
         self.host_id = options.host_id or socket.gethostname()
         self.advertise_host = options.advertise_host or options.host
         self._pending_events: list[TokenEvent] = []
+        # A decode worker's loaded hand-offs: each rides the request's next token event.
+        self.handoff_timings: dict[str, HandoffTiming] = {}
         self._log_failure = RateLimitedLog(log, logging.ERROR, per_seconds=10.0)
         self._stop = threading.Event()
         self._draining = False
         self._last_tick = time.monotonic()
         self._load: EngineLoad = engine.load()
         timeline = engine.pipeline.timeline if engine.pipeline is not None else None
+        self.handoff_metrics = HandoffMetrics(self.worker_id)  # observed by a worker that takes KV in
         self.health = HealthServer(options.host, options.health_port, self._live, self._ready, self.info,
-                                   worker_metrics(timeline, self.worker_id))
+                                   worker_metrics(timeline, self.worker_id, self.handoff_metrics))
         self.links = RouterLinks(parse_router_addresses(options.router_address), self._heartbeat,
                                  options.heartbeat_interval, auth=FrameAuth.from_secret(options.secret),
                                  resolve_interval=options.router_resolve_interval)
@@ -296,6 +301,9 @@ class Worker(ABC):
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
+            handoff = self.handoff_timings.pop(o.request_id, None) if self.handoff_timings else None
+            if handoff is not None:
+                self.handoff_metrics.observe(handoff)
             self.emit(TokenEvent(
                 request_id=o.request_id, token_ids=tuple(o.new_token_ids),
                 logprobs=tuple(o.logprobs) if o.logprobs else None,
@@ -303,6 +311,7 @@ class Worker(ABC):
                 finish_reason=o.finish_reason, error=o.error,  # type: ignore[arg-type]
                 num_prompt_tokens=o.num_prompt_tokens, num_cached_tokens=o.num_cached_tokens,
                 position=o.position, retry=o.retry,  # type: ignore[arg-type]
+                handoff=handoff,
             ))
 
     def _flush(self) -> None:

@@ -1,5 +1,6 @@
 """A worker's Prometheus metrics (its health port's /metrics): the pipeline stages' busy and idle
-seconds and bubble fractions, read from the engine's StageTimeline at each scrape."""
+seconds and bubble fractions, read from the engine's StageTimeline at each scrape, and the KV
+hand-offs it took in (worker/handoff_metrics.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pdserve.engine.stage_timeline import RECENT_SECONDS, StageTimeline
+from pdserve.worker.handoff_metrics import HandoffMetrics
 
 
 class StageCollector(Collector):
@@ -36,9 +38,12 @@ class StageCollector(Collector):
         yield from (busy, idle, bubbles)
 
 
-def worker_metrics(timeline: StageTimeline | None, worker_id: str) -> Callable[[], bytes]:
-    """What /metrics answers: the stages' metrics (none without stages)."""
+def worker_metrics(timeline: StageTimeline | None, worker_id: str,
+                   handoffs: HandoffMetrics | None = None) -> Callable[[], bytes]:
+    """What /metrics answers: the stages' metrics (none without stages) and the hand-offs'."""
     registry = CollectorRegistry()
     if timeline is not None:
         registry.register(StageCollector(timeline, worker_id))
+    if handoffs is not None:
+        registry.register(handoffs)
     return lambda: generate_latest(registry)

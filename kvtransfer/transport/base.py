@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from pdserve.protocol.messages import KVAck, KVTransfer
+from pdserve.protocol.messages import KVAck, KVPart, KVTransfer
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +44,14 @@ class TransportUnavailable(RuntimeError):
 class ReceivedKV:
     """One KV transfer as the decode engine sees it.
 
-    `payload` is a zero-copy view (CPU, or CUDA for cuda_ipc) valid until `release()` or the
-    `ack` of its request; for shm / CUDA IPC also only until `meta.lease_deadline` (copy it into
-    the cache, then check `within_lease()` before trusting the copy). `ok` False: `payload` is
-    None and `reason` says why (checksum, fingerprint, shape...); ack it with ok=False.
+    `payload` is a zero-copy view (CPU, or CUDA for cuda_ipc) of the message's own blocks,
+    [meta.first_block, num_blocks), valid until `release()` or the `ack` of its request; for shm /
+    CUDA IPC also only until `meta.lease_deadline` (copy it into the cache, then check
+    `within_lease()` before trusting the copy). A streamed transfer's earlier blocks came in
+    `parts`, each (first block, view) and verified on arrival; `pieces()` lists them all. `ok`
+    False: `payload` is None and `reason` says why (checksum, fingerprint, shape...); ack it with
+    ok=False. `arrived_at` / `verified_at`: time.time() when the message came off the socket and
+    when its checks were done.
     """
 
     meta: KVTransfer
@@ -55,10 +59,20 @@ class ReceivedKV:
     ok: bool
     reason: str = ""
     _on_release: Callable[[], None] | None = field(default=None, repr=False)
+    parts: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    arrived_at: float = 0.0
+    verified_at: float = 0.0
+
+    def pieces(self) -> list[tuple[int, torch.Tensor]]:
+        """Every block range of the transfer, in order: (first block, [L, 2, blocks, ...] view)."""
+        if self.payload is None:
+            return []
+        return [*self.parts, (self.meta.first_block, self.payload)]
 
     def release(self) -> None:
-        """Drop the view (idempotent); the transport may reuse its memory afterwards."""
+        """Drop the views (idempotent); the transport may reuse their memory afterwards."""
         self.payload = None
+        self.parts = []
         hook, self._on_release = self._on_release, None
         if hook is not None:
             hook()
@@ -80,6 +94,18 @@ class KVSender(ABC):
     def send(self, address: str, meta: KVTransfer, payload: torch.Tensor) -> None:
         """Queue `payload` for the decode worker listening at `address`; returns at once.
         The sender fills in meta.tensor (with its checksum), .transport, .location, .lease_deadline."""
+
+    @abstractmethod
+    def send_part(self, address: str, part: KVPart, payload: torch.Tensor) -> None:
+        """Queue one streamed part of a request's KV (no ack of its own): the request's
+        `send` with `meta.parts` equal to the parts sent ends the stream, and its ack (or lease
+        expiry) frees them all. A part that cannot be staged breaks the stream: that `send`
+        then fails with a local NACK."""
+
+    @abstractmethod
+    def cancel_stream(self, address: str, request_id: str, prefill_worker_id: str, receiver_id: str) -> None:
+        """Tell the receiver to drop the parts of a stream that will not end in a `send` (the
+        request ended at its first token, or was aborted); free them here after the lease."""
 
     @abstractmethod
     def poll_acks(self, timeout: float = 0.0) -> list[KVAck]:

@@ -22,7 +22,7 @@ import msgspec
 import torch
 
 from pdserve.engine.device import on_kv_stream
-from pdserve.kvtransfer.payload import with_header
+from pdserve.kvtransfer.payload import KVHeader, with_header
 from pdserve.kvtransfer.tensors import describe, validate_header
 from pdserve.kvtransfer.transport.base import TransportError, TransportUnavailable
 from pdserve.kvtransfer.transport.tcp import ZmqKVReceiver, ZmqKVSender
@@ -102,7 +102,7 @@ class CudaIpcKVSender(ZmqKVSender):
         )
         super().__init__(lease_s=lease_s, name=name, auth=auth)
 
-    def _stage(self, meta: KVTransfer, payload: torch.Tensor) -> tuple[KVTransfer, list, object]:
+    def _stage(self, meta: KVHeader, payload: torch.Tensor) -> tuple[KVHeader, list, object]:
         t = payload.detach()
         # The staging copy and the checksum run on the KV stream, not the engine's (the send's
         # event has already been waited for: the payload is complete).

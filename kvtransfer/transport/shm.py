@@ -4,8 +4,9 @@ Sender: owns a pool of segments (`/dev/shm/pdserve-kv-<owner>-<pid>-<token>-<n>`
 the worker's id with every character outside [A-Za-z0-9] made `_`). A transfer takes the
 smallest free segment that fits (or creates one of the next power-of-two size, at least 1 MiB,
 while the pool stays under `max_pool_bytes`; idle segments are unlinked to make room), copies the
-payload in, and names it in `location`. The segment returns to the pool on the ack or at lease
-expiry; `close()` unlinks every segment. A sender killed outright (kill -9 of its process group
+payload in, and names it in `location`. A payload built in a segment to begin with
+(`ShmKVSender.staging`) is named without that copy. The segment returns to the pool on the ack
+or at lease expiry; `close()` unlinks every segment. A sender killed outright (kill -9 of its process group
 takes Python's resource tracker with it) leaves its segments behind: the next sender of the same
 owner, its restarted worker, unlinks every segment of that owner whose process is gone.
 
@@ -20,23 +21,26 @@ from __future__ import annotations
 # with this process's resource tracker, which would then unlink the sender's segment at exit.
 import _posixshmem  # pyright: ignore[reportMissingImports]  (no stub: a private stdlib module)
 import contextlib
+import math
 import mmap
 import os
 import re
 import secrets
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
 import msgspec
 import torch
 
-from pdserve.kvtransfer.payload import with_header
-from pdserve.kvtransfer.tensors import as_bytes, describe, tensor_from_buffer
+from pdserve.kvtransfer.payload import KVHeader, with_header
+from pdserve.kvtransfer.tensors import describe, dtype_name, tensor_from_buffer
 from pdserve.kvtransfer.transport.base import TransportError
 from pdserve.kvtransfer.transport.tcp import ZmqKVReceiver, ZmqKVSender
 from pdserve.protocol.auth import FrameAuth
-from pdserve.protocol.messages import KVTransfer
+from pdserve.protocol.messages import KVPart, KVTransfer
 
 SEGMENT_PREFIX = "pdserve-kv-"
 SHM_DIR = "/dev/shm"
@@ -60,9 +64,17 @@ class _Segment:
     shm: shared_memory.SharedMemory
     busy: bool = False
 
+    def view(self, nbytes: int) -> torch.Tensor:
+        """The segment's first `nbytes` bytes as a uint8 tensor (no copy)."""
+        return torch.frombuffer(self.shm.buf, dtype=torch.uint8)[:nbytes]
+
 
 class ShmPool:
-    """Reusable shared-memory segments owned by one sender (I/O thread only)."""
+    """Reusable shared-memory segments owned by one sender.
+
+    Thread-safe: the engine thread acquires staging segments while the I/O thread acquires and
+    releases the others. An acquired segment stays busy until it is released, exactly once.
+    """
 
     def __init__(self, max_pool_bytes: int, owner: str = "") -> None:
         self.max_pool_bytes = max_pool_bytes
@@ -71,42 +83,59 @@ class ShmPool:
         self._stem = f"{SEGMENT_PREFIX}{self.owner}-{os.getpid()}-{secrets.token_hex(4)}-"
         self._count = 0
         self._segments: list[_Segment] = []
+        self._lock = threading.Lock()
 
     @property
     def total_bytes(self) -> int:
-        return sum(s.shm.size for s in self._segments)
+        with self._lock:
+            return self._total_bytes()
+
+    @property
+    def busy(self) -> int:
+        """Segments acquired and not yet released."""
+        with self._lock:
+            return sum(s.busy for s in self._segments)
 
     def acquire(self, nbytes: int) -> _Segment:
-        free = [s for s in self._segments if not s.busy and s.shm.size >= nbytes]
-        if free:
-            seg = min(free, key=lambda s: s.shm.size)
-        else:
-            size = max(_MIN_SEGMENT, 1 << max(0, nbytes - 1).bit_length())
-            for idle in sorted(
-                (s for s in self._segments if not s.busy), key=lambda s: -s.shm.size
-            ):
-                if self.total_bytes + size <= self.max_pool_bytes:
-                    break
-                self._unlink(idle)
-            if self.total_bytes + size > self.max_pool_bytes:
-                raise TransportError(
-                    f"shm pool full: {self.total_bytes} bytes in flight, a {nbytes}-byte payload "
-                    f"would pass max_pool_bytes={self.max_pool_bytes}"
-                )
-            self._count += 1
-            seg = _Segment(
-                shared_memory.SharedMemory(self._stem + str(self._count), create=True, size=size)
-            )
-            self._segments.append(seg)
-        seg.busy = True
-        return seg
+        with self._lock:
+            free = [s for s in self._segments if not s.busy and s.shm.size >= nbytes]
+            if free:
+                seg = min(free, key=lambda s: s.shm.size)
+            else:
+                seg = self._create(nbytes)
+            seg.busy = True
+            return seg
 
     def release(self, seg: _Segment) -> None:
-        seg.busy = False
+        with self._lock:
+            assert seg.busy, f"shm segment {seg.shm.name} released twice"
+            seg.busy = False
 
     def close(self) -> None:
-        for seg in list(self._segments):
-            self._unlink(seg)
+        with self._lock:
+            for seg in list(self._segments):
+                self._unlink(seg)
+
+    def _create(self, nbytes: int) -> _Segment:
+        size = max(_MIN_SEGMENT, 1 << max(0, nbytes - 1).bit_length())
+        for idle in sorted((s for s in self._segments if not s.busy), key=lambda s: -s.shm.size):
+            if self._total_bytes() + size <= self.max_pool_bytes:
+                break
+            self._unlink(idle)
+        if self._total_bytes() + size > self.max_pool_bytes:
+            raise TransportError(
+                f"shm pool full: {self._total_bytes()} bytes in flight, a {nbytes}-byte payload "
+                f"would pass max_pool_bytes={self.max_pool_bytes}"
+            )
+        self._count += 1
+        seg = _Segment(
+            shared_memory.SharedMemory(self._stem + str(self._count), create=True, size=size)
+        )
+        self._segments.append(seg)
+        return seg
+
+    def _total_bytes(self) -> int:
+        return sum(s.shm.size for s in self._segments)
 
     def _unlink(self, seg: _Segment) -> None:
         self._segments.remove(seg)
@@ -144,7 +173,15 @@ def _alive(pid: int) -> bool:
 
 
 class ShmKVSender(ZmqKVSender):
-    """Writes each payload into a pooled shm segment; the zmq message names the segment."""
+    """Writes each payload into a pooled shm segment; the zmq message names the segment.
+
+    A payload can also be built in a segment (no copy on send): `staging(shape, dtype)` hands
+    the caller a tensor over a free segment to fill, e.g. by gathering the KV blocks straight
+    into it, and then to pass to `send` or `send_part`. The caller owns it until then, and may
+    give it back unsent with `release_staging`. A send takes it over in every case: its segment
+    returns to the pool exactly once, after the ack, at lease expiry or when the transfer fails;
+    the caller must not touch the tensor afterwards. Any other payload is copied into a segment.
+    """
 
     kind = "shm"
     leases_region = True
@@ -154,17 +191,114 @@ class ShmKVSender(ZmqKVSender):
         owner: str = "", auth: FrameAuth | None = None,
     ) -> None:
         self._pool = ShmPool(max_pool_bytes, owner)
+        # Staging segments by their tensor's data_ptr: held by the caller, and handed to a send
+        # but not yet taken by the I/O thread.
+        self._held: dict[int, _Segment] = {}
+        self._sent: dict[int, _Segment] = {}
+        self._staging_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._claimed: _Segment | None = None  # I/O thread: the staging segment of the send at hand
         super().__init__(lease_s=lease_s, name=name, auth=auth)
 
-    def _stage(self, meta: KVTransfer, payload: torch.Tensor) -> tuple[KVTransfer, list, object]:
+    # --- engine thread -------------------------------------------------------------------
+
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A CPU tensor of `shape` and `dtype` over a busy pooled segment, for the caller to fill
+        and pass to `send` (see the class docstring). Raises TransportError when the pool is full."""
+        dtype_name(dtype)  # refuse a dtype that cannot travel now, not at send
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            raise ValueError(f"a staging tensor holds at least one byte, shape {shape} has none")
+        seg = self._pool.acquire(nbytes)
+        t = seg.view(nbytes).view(dtype).view(shape)
+        with self._staging_lock:
+            self._held[t.data_ptr()] = seg
+        return t
+
+    def release_staging(self, t: torch.Tensor) -> None:
+        """Give back a staging tensor that will not be sent."""
+        with self._staging_lock:
+            seg = self._held.pop(t.data_ptr(), None)
+        if seg is None:
+            raise ValueError("not a staging tensor of this sender (sent or released already?)")
+        self._pool.release(seg)
+
+    def send(self, address: str, meta: KVTransfer, payload: torch.Tensor) -> None:
+        self._hand_over(payload, super().send, address, meta, payload)
+
+    def send_part(self, address: str, part: KVPart, payload: torch.Tensor) -> None:
+        self._hand_over(payload, super().send_part, address, part, payload)
+
+    def _hand_over(self, payload: torch.Tensor, send: Callable[..., None], *args: object) -> None:
+        """Call `send`; a staging tensor it did not queue for the I/O thread goes back to the pool."""
+        key = payload.data_ptr()
+        with self._staging_lock:
+            seg = self._held.pop(key, None)
+            if seg is not None:
+                self._sent[key] = seg
+        queued = False
+        try:
+            # Serialized so that "queue_full" moves only for this call: the one way to learn that
+            # the base class refused a send without handing it to the I/O thread.
+            with self._send_lock:
+                refused = self._loop.counters["queue_full"]
+                send(*args)
+                queued = self._loop.counters["queue_full"] == refused
+        finally:
+            if seg is not None and not queued:
+                with self._staging_lock:
+                    del self._sent[key]
+                self._pool.release(seg)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            **super().stats(),
+            "shm_segments_busy": self._pool.busy,
+            "shm_pool_bytes": self._pool.total_bytes,
+        }
+
+    # --- I/O thread ---------------------------------------------------------------------
+
+    def _send_now(
+        self, address: str, meta: KVTransfer, payload: torch.Tensor, ready: object
+    ) -> None:
+        self._claim_for(payload, super()._send_now, address, meta, payload, ready)
+
+    def _send_part_now(self, address: str, part: KVPart, payload: torch.Tensor, ready: object) -> None:
+        self._claim_for(payload, super()._send_part_now, address, part, payload, ready)
+
+    def _claim_for(self, payload: torch.Tensor, send_now: Callable[..., None], *args: object) -> None:
+        """Run `send_now` with `payload`'s staging segment claimed for `_stage`; give it back if
+        `send_now` refused the send before staging it (its request already in flight, a broken stream)."""
+        with self._staging_lock:
+            self._claimed = self._sent.pop(payload.data_ptr(), None)
+        try:
+            send_now(*args)
+        finally:
+            seg, self._claimed = self._claimed, None
+            if seg is not None:
+                self._pool.release(seg)
+
+    def _stage(self, meta: KVHeader, payload: torch.Tensor) -> tuple[KVHeader, list, object]:
+        seg, self._claimed = self._claimed, None
+        staged = seg is not None
         src = payload.detach()
-        src = (src if src.device.type == "cpu" else src.cpu()).contiguous()
-        header = describe(src)
-        seg = self._pool.acquire(header.nbytes)
-        if header.nbytes:
-            dst = torch.frombuffer(seg.shm.buf, dtype=torch.uint8, count=header.nbytes)
-            dst.copy_(as_bytes(src))
-            del dst  # release the export so the segment can be closed later
+        if seg is None:
+            src = (src if src.device.type == "cpu" else src.cpu()).contiguous()
+            seg = self._pool.acquire(src.numel() * src.element_size())
+        try:
+            if not staged:
+                dst = seg.view(src.numel() * src.element_size()).view(src.dtype).view(src.shape)
+                # One torch copy, on torch's intra-op threads: 15.8 GB/s for 16 MiB on the 2-core
+                # build machine, against 10.9 as halves on two Python threads, 10.4 on one thread.
+                dst.copy_(src)
+                src = dst
+            elif not src.is_contiguous():
+                raise TransportError("a staging tensor must be sent contiguous, as staging() made it")
+            header = describe(src)  # over the segment: what the receiver will read
+        except BaseException:
+            self._pool.release(seg)
+            raise
         location = msgspec.msgpack.encode(ShmLocation(seg.shm.name, 0, header.nbytes))
         return with_header(meta, tensor=header, location=location), [], seg
 

@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import torch
@@ -35,7 +35,13 @@ import zmq
 
 from pdserve.config.log_limits import RateLimitedLog
 from pdserve.engine.device import on_kv_stream
-from pdserve.kvtransfer.payload import fingerprint_mismatch, payload_shape_mismatch, with_header
+from pdserve.kvtransfer.payload import (
+    KVHeader,
+    fingerprint_mismatch,
+    part_shape_mismatch,
+    payload_shape_mismatch,
+    with_header,
+)
 from pdserve.kvtransfer.tensors import (
     TensorFrameError,
     as_bytes,
@@ -58,9 +64,10 @@ from pdserve.protocol.auth import (
     KV_TO_PREFILL,
     AuthError,
     FrameAuth,
+    is_auth_frame,
 )
 from pdserve.protocol.codec import ProtocolError, decode, encode, open_message
-from pdserve.protocol.messages import KVAck, KVTransfer, ModelFingerprint
+from pdserve.protocol.messages import KVAck, KVPart, KVTransfer, ModelFingerprint, TensorHeader
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +79,8 @@ MAX_READY = 4096  # received transfers the engine has not polled: more are NACKe
 IDLE_SOCKET_S = 60.0  # a sender's DEALER to a decode address with no traffic that long is closed
 MAX_PEER_SOCKETS = 256  # DEALERs one sender keeps open (the least recently used idle one goes)
 PAYLOAD_FRAME_BYTES = 16 << 20  # a tcp payload travels in frames of at most this
+MAX_STREAMS = 1024  # incoming streams a receiver assembles at once: a part of one more is dropped
+STREAM_IDLE_S = 300.0  # a stream with no part that long, and no transfer ending it, is dropped
 MAX_FRAME_BYTES = PAYLOAD_FRAME_BYTES + (16 << 20)  # a receiver's MAXMSGSIZE: a payload frame or a header
 
 _log_bad = RateLimitedLog(log, logging.WARNING, per_seconds=10.0)
@@ -87,7 +96,42 @@ class _InFlight:
     address: str
     deadline: float  # time.monotonic()
     tracker: zmq.MessageTracker
-    hold: object  # kept alive until the ack / lease expiry: tensor, shm segment, CUDA staging
+    # Kept alive until the ack / lease expiry: tensors, shm segments, CUDA staging (the
+    # transfer's own, and those of the parts streamed before it).
+    holds: list
+
+
+@dataclass(slots=True)
+class _Stream:
+    """The parts of one request's KV sent so far, not yet ended by its transfer (I/O thread)."""
+
+    address: str
+    part: KVPart  # the first one: who sends it, to whom, for which model
+    holds: list = field(default_factory=list)
+    sent: int = 0
+    broken: str = ""  # why a part could not go: the transfer that would end the stream fails
+
+
+@dataclass(slots=True)
+class _Assembly:
+    """The verified parts of one incoming stream, kept until its transfer ends it (I/O thread)."""
+
+    sender: str  # prefill_worker_id
+    total_blocks: int
+    last_at: float  # time.monotonic() of its last part
+    parts: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    releases: list = field(default_factory=list)
+    next_seq: int = 0
+    next_block: int = 0
+    nbytes: int = 0
+    failed: str = ""
+
+    def release(self) -> None:
+        self.parts.clear()
+        releases, self.releases = self.releases, []
+        for release in releases:
+            with contextlib.suppress(Exception):
+                release()
 
 
 class ZmqKVSender(KVSender):
@@ -105,6 +149,8 @@ class ZmqKVSender(KVSender):
         self._acks: queue.Queue[KVAck] = queue.Queue()
         self._inflight: dict[str, _InFlight] = {}
         self._draining: list[_InFlight] = []  # done with, but zmq may still read their frames
+        self._streams: dict[str, _Stream] = {}  # request id -> its parts sent so far
+        self._cooling: list[tuple[float, list]] = []  # (monotonic deadline, holds) of dropped streams
         self._sockets: OrderedDict[str, zmq.Socket] = OrderedDict()  # least recently used first
         self._last_used: dict[str, float] = {}
         self._queued = 0  # sends not yet taken by the I/O thread (engine thread +, I/O thread -)
@@ -123,24 +169,39 @@ class ZmqKVSender(KVSender):
             self._loop.counters["queue_full"] += 1
             self._acks.put(KVAck(request_id=meta.request_id, ok=False, reason="KV send queue full"))
             return
-        ready = None
-        if payload.is_cuda:  # the I/O thread must not read it before the engine's stream wrote it
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(payload.device))
+        ready = self._ready_event(payload)
         self._loop.call_soon(lambda: self._send_now(address, meta, payload, ready))
+
+    def send_part(self, address: str, part: KVPart, payload: torch.Tensor) -> None:
+        check_address(address)
+        with self._queued_lock:
+            self._queued += 1
+        ready = self._ready_event(payload)
+        self._loop.call_soon(lambda: self._send_part_now(address, part, payload, ready))
+
+    def cancel_stream(self, address: str, request_id: str, prefill_worker_id: str, receiver_id: str) -> None:
+        self._loop.call_soon(lambda: self._cancel_now(request_id))
+
+    @staticmethod
+    def _ready_event(payload: torch.Tensor) -> object:
+        if not payload.is_cuda:
+            return None
+        ready = torch.cuda.Event()  # the I/O thread must not read it before the engine's stream wrote it
+        ready.record(torch.cuda.current_stream(payload.device))
+        return ready
 
     def poll_acks(self, timeout: float = 0.0) -> list[KVAck]:
         return drain(self._acks, timeout)
 
     def stats(self) -> dict[str, int]:
-        return {**self._loop.counters, "in_flight": len(self._inflight)}
+        return {**self._loop.counters, "in_flight": len(self._inflight), "streams": len(self._streams)}
 
     def close(self) -> None:
         self._loop.stop(finalize=self._finalize)
 
     # --- transport hooks (I/O thread) ---------------------------------------------------
 
-    def _stage(self, meta: KVTransfer, payload: torch.Tensor) -> tuple[KVTransfer, list, object]:
+    def _stage(self, meta: KVHeader, payload: torch.Tensor) -> tuple[KVHeader, list, object]:
         """Return the meta to send, the raw frames after it, and what to hold until done."""
         t = payload.detach()
         with on_kv_stream(t.device):  # a device payload comes to the host on the KV stream
@@ -166,6 +227,17 @@ class ZmqKVSender(KVSender):
         if rid in self._inflight:
             self._fail(rid, "a KV transfer of this request is already in flight")
             return
+        stream = self._streams.pop(rid, None)
+        if meta.parts or stream is not None:  # it ends a stream: every part must have gone, in order
+            why = ("no part of it was sent" if stream is None else stream.broken
+                   or (f"{stream.sent} parts sent, the transfer says {meta.parts}" if stream.sent != meta.parts else "")
+                   or (f"its parts went to {stream.address}" if stream.address != address else ""))
+            if why:
+                if stream is not None:
+                    self._drop_stream(rid, stream)
+                self._fail(rid, f"KV stream broken: {why}")
+                return
+        held = stream.holds if stream is not None else []
         try:
             if ready is not None:
                 ready.synchronize()  # type: ignore[attr-defined]
@@ -173,23 +245,93 @@ class ZmqKVSender(KVSender):
         except Exception as exc:  # any failure must still end in exactly one ack
             expected = isinstance(exc, TransportError | TensorFrameError)
             log.warning("request %s: cannot stage KV payload: %s", rid, exc, exc_info=not expected)
+            if stream is not None:
+                self._drop_stream(rid, stream)
             self._fail(rid, f"cannot stage KV payload: {exc}")
             return
         lease_deadline = time.time() + self.lease_s if self.leases_region else 0.0
         meta = with_header(meta, transport=self.kind, lease_deadline=lease_deadline)
         try:
             sock = self._socket(address)
-            tracker = sock.send_multipart(
-                self.auth.seal(KV_TO_DECODE, [encode(meta), *frames]), flags=zmq.NOBLOCK, copy=False, track=True
-            )
+            tracker = sock.send_multipart(self._sealed(meta, frames), flags=zmq.NOBLOCK, copy=False, track=True)
         except (zmq.ZMQError, TransportError) as exc:  # zmq.Again: the queue to that peer is full
             self._unstage(hold)
+            if stream is not None:
+                self._drop_stream(rid, stream)
             self._fail(rid, f"cannot queue KV for {address}: {exc}")
             return
         assert tracker is not None  # track=True always returns one
-        self._inflight[rid] = _InFlight(address, time.monotonic() + self.lease_s, tracker, hold)
+        self._inflight[rid] = _InFlight(address, time.monotonic() + self.lease_s, tracker, [hold, *held])
         self._loop.counters["sent"] += 1
         self._loop.counters["bytes_sent"] += meta.tensor.nbytes
+
+    def _sealed(self, meta: KVTransfer | KVPart, frames: list) -> list:
+        """`[auth frame, header, *payload]`: the MAC covers the header, which carries the payload's
+        checksum; the payload frames ride the connection's CURVE boxes (docs/security.md)."""
+        return [*self.auth.seal(KV_TO_DECODE, [encode(meta)]), *frames]
+
+    def _send_part_now(self, address: str, part: KVPart, payload: torch.Tensor, ready: object) -> None:
+        with self._queued_lock:
+            self._queued -= 1
+        rid = part.request_id
+        stream = self._streams.get(rid)
+        if stream is None or part.seq == 0:
+            if stream is not None:  # a new stream of the request: the old one will never end
+                self._drop_stream(rid, stream)
+            stream = self._streams[rid] = _Stream(address, part)
+        if stream.broken:
+            return
+        if part.seq != stream.sent or address != stream.address:
+            self._break(rid, stream, f"part {part.seq} for {address} after {stream.sent} parts for {stream.address}")
+            return
+        try:
+            if ready is not None:
+                ready.synchronize()  # type: ignore[attr-defined]
+            part, frames, hold = self._stage(with_header(part, transport=self.kind), payload)
+        except Exception as exc:
+            expected = isinstance(exc, TransportError | TensorFrameError)
+            log.warning("request %s: cannot stage KV part %d: %s", rid, part.seq, exc, exc_info=not expected)
+            self._break(rid, stream, f"cannot stage part {part.seq}: {exc}")
+            return
+        stream.holds.append(hold)
+        try:
+            self._socket(address).send_multipart(self._sealed(part, frames), flags=zmq.NOBLOCK, copy=False)
+        except (zmq.ZMQError, TransportError) as exc:
+            self._break(rid, stream, f"cannot queue part {part.seq} for {address}: {exc}")
+            return
+        stream.sent += 1
+        self._loop.counters["parts_sent"] += 1
+        self._loop.counters["bytes_sent"] += part.tensor.nbytes
+
+    def _break(self, rid: str, stream: _Stream, why: str) -> None:
+        """A part could not go: tell the receiver to drop the stream; the transfer ending it fails."""
+        log.warning("request %s: KV stream broken: %s", rid, why)
+        self._loop.counters["streams_broken"] += 1
+        stream.broken = why
+        self._send_cancel(rid, stream)
+        self._cooling.append((time.monotonic() + self.lease_s, stream.holds))
+        stream.holds = []
+
+    def _cancel_now(self, rid: str) -> None:
+        stream = self._streams.pop(rid, None)
+        if stream is not None:
+            self._loop.counters["streams_cancelled"] += 1
+            self._drop_stream(rid, stream)
+
+    def _drop_stream(self, rid: str, stream: _Stream) -> None:
+        """The receiver may still be reading a part: keep the parts for a lease, then free them."""
+        if not stream.broken:
+            self._send_cancel(rid, stream)
+        self._cooling.append((time.monotonic() + self.lease_s, stream.holds))
+        stream.holds = []
+
+    def _send_cancel(self, rid: str, stream: _Stream) -> None:
+        first = stream.part
+        cancel = KVPart(request_id=rid, prefill_worker_id=first.prefill_worker_id, receiver_id=first.receiver_id,
+                        seq=stream.sent, first_block=0, total_blocks=0, fingerprint=first.fingerprint,
+                        tensor=TensorHeader("uint8", (0,), 0, ""), transport=self.kind, cancel=True)
+        with contextlib.suppress(zmq.ZMQError, TransportError):  # a receiver that is gone drops it anyway
+            self._socket(stream.address).send_multipart(self._sealed(cancel, []), flags=zmq.NOBLOCK)
 
     def _socket(self, address: str) -> zmq.Socket:
         self._last_used[address] = time.monotonic()
@@ -214,7 +356,8 @@ class ZmqKVSender(KVSender):
         return sock
 
     def _busy_addresses(self) -> set[str]:
-        return {f.address for f in self._inflight.values()} | {f.address for f in self._draining}
+        return ({f.address for f in self._inflight.values()} | {f.address for f in self._draining}
+                | {s.address for s in self._streams.values()})
 
     def _close_socket(self, address: str) -> None:
         self._last_used.pop(address, None)
@@ -276,11 +419,15 @@ class ZmqKVSender(KVSender):
         still = []
         for f in self._draining:
             if f.tracker.done:
-                self._unstage(f.hold)
+                self._unstage_all(f.holds)
             else:
                 still.append(f)
         self._draining = still
-        waits = [f.deadline - now for f in self._inflight.values()]
+        cooled = [c for c in self._cooling if c[0] <= now]
+        self._cooling = [c for c in self._cooling if c[0] > now]
+        for _, holds in cooled:
+            self._unstage_all(holds)
+        waits = [f.deadline - now for f in self._inflight.values()] + [c[0] - now for c in self._cooling]
         if self._draining:
             waits.append(0.01)
         idle_wait = self._evict_idle(now)
@@ -294,9 +441,13 @@ class ZmqKVSender(KVSender):
 
     def _done(self, f: _InFlight) -> None:
         if f.tracker.done:
-            self._unstage(f.hold)
+            self._unstage_all(f.holds)
         else:
             self._draining.append(f)
+
+    def _unstage_all(self, holds: list) -> None:
+        for hold in holds:
+            self._unstage(hold)
 
     def _reset_socket(self, address: str) -> None:
         self._close_socket(address)
@@ -307,10 +458,13 @@ class ZmqKVSender(KVSender):
         self._acks.put(KVAck(request_id=rid, ok=False, reason=reason))
 
     def _finalize(self) -> None:
-        for f in [*self._inflight.values(), *self._draining]:
-            self._unstage(f.hold)
+        for holds in [*(f.holds for f in [*self._inflight.values(), *self._draining]),
+                      *(s.holds for s in self._streams.values()), *(c[1] for c in self._cooling)]:
+            self._unstage_all(holds)
         self._inflight.clear()
         self._draining.clear()
+        self._streams.clear()
+        self._cooling.clear()
         for sock in self._sockets.values():
             self._loop.remove_socket(sock)
         self._sockets.clear()
@@ -337,6 +491,7 @@ class ZmqKVReceiver(KVReceiver):
         name: str = "kv-receiver",
         auth: FrameAuth | None = None,
         receiver_id: str = "",
+        max_stream_bytes: int = 16 << 30,
     ) -> None:
         check_address(address)
         self.fingerprint = fingerprint
@@ -349,7 +504,11 @@ class ZmqKVReceiver(KVReceiver):
         self._held_lock = threading.Lock()
         self._unknown_acks = 0  # engine thread only
         self._zap: ZapHandler | None = None
-        self._loop = IOLoop(name)
+        # Streams being assembled (I/O thread): bounded in count, bytes and idle time.
+        self._assemblies: dict[str, _Assembly] = {}
+        self._max_stream_bytes = max_stream_bytes
+        self._stream_bytes = 0
+        self._loop = IOLoop(name, tick=self._tick)
         try:
             self.address: str = self._loop.call(lambda: self._bind(address))  # type: ignore[assignment]
         except BaseException:
@@ -384,7 +543,7 @@ class ZmqKVReceiver(KVReceiver):
             held, self._held = list(self._held.values()), {}
         for rkv in held:
             rkv.release()
-        self._loop.stop(finalize=self._close_resources)
+        self._loop.stop(finalize=self._finalize)
 
     # --- transport hooks (I/O thread) ---------------------------------------------------
 
@@ -405,6 +564,11 @@ class ZmqKVReceiver(KVReceiver):
 
     def _close_resources(self) -> None:
         """Free transport resources at close."""
+
+    def _finalize(self) -> None:
+        for rid in list(self._assemblies):
+            self._drop_assembly(rid)
+        self._close_resources()
 
     # --- I/O thread ---------------------------------------------------------------------
 
@@ -449,27 +613,31 @@ class ZmqKVReceiver(KVReceiver):
         _log_bad("KV receiver %s dropped a message: %s", self.address, reason, key="dropped")
 
     def _handle(self, parts: list) -> None:
+        arrived_at = time.time()
         identity, body = parts[0].bytes, parts[1:]
+        signed = bool(body) and is_auth_frame(body[0].buffer)
         try:  # nothing of an unauthenticated sender is decoded, nor answered
-            n = len(self.auth.open(KV_TO_DECODE, [p.buffer for p in body]))
+            self.auth.open(KV_TO_DECODE, [p.buffer for p in body[: 2 if signed else 1]])
         except AuthError as exc:
             self._loop.counters["auth_rejected"] += 1
             self._loop.counters[f"auth_{exc.reason}"] += 1
             _log_bad("KV receiver %s refused a message: %s", self.address, exc, key=f"auth-{exc.reason}")
             return
-        body = body[len(body) - n:]
+        body = body[1:] if signed else body
         if not body:
             return self._drop("empty message")
         try:
             msg = decode(body[0].buffer)
         except ProtocolError as exc:
             return self._drop(f"undecodable header: {exc}")
-        if not isinstance(msg, KVTransfer):
+        if not isinstance(msg, KVTransfer | KVPart):
             return self._drop(f"unexpected {type(msg).__name__} on the KV channel")
         if msg.receiver_id and self.receiver_id and msg.receiver_id != self.receiver_id:
             # Captured on its way to another decode worker and replayed here: not ours to answer.
             self._loop.counters["wrong_receiver"] += 1
             return self._drop(f"request {msg.request_id}: the transfer is for {msg.receiver_id!r}")
+        if isinstance(msg, KVPart):
+            return self._on_part(msg, body[1:])
         rid = msg.request_id
         if rid in self._peers:
             return self._drop(f"request {rid}: a second transfer before the first was acked")
@@ -478,9 +646,15 @@ class ZmqKVReceiver(KVReceiver):
             stale, _ = self._peers.popitem(last=False)
             log.warning("request %s: never acked; forgetting its sender", stale)
 
+        asm = self._assemblies.pop(rid, None)
+        if asm is not None:
+            self._stream_bytes -= asm.nbytes
+            if msg.parts == 0:  # sent whole: a stream of the request left half-way is void
+                asm.release()
+                asm = None
         payload, release, reason = None, None, None
         try:
-            reason = self._check(msg)
+            reason = self._check(msg) or self._stream_mismatch(msg, asm)
             if reason is None:
                 payload, release = self._open(msg, body[1:])
                 with on_kv_stream(payload.device):  # a device checksum runs on the KV stream
@@ -493,8 +667,17 @@ class ZmqKVReceiver(KVReceiver):
             if callable(release):
                 with contextlib.suppress(Exception):
                     release()
+            if asm is not None:
+                asm.release()
             self._send_ack(KVAck(request_id=rid, ok=False, reason=f"receive failed: {type(exc).__name__}: {exc}"))
             return
+        streamed: list[tuple[int, torch.Tensor]] = []
+        if asm is not None:
+            if reason is None:
+                streamed = list(asm.parts)
+                release = self._releasing(asm, release)
+            else:
+                asm.release()
         ok = reason is None
         if ok:
             self._loop.counters["received"] += 1
@@ -502,7 +685,8 @@ class ZmqKVReceiver(KVReceiver):
         else:
             self._loop.counters["rejected"] += 1
             log.warning("request %s: KV refused: %s", rid, reason)
-        rkv = ReceivedKV(msg, payload if ok else None, ok, reason or "", release)  # type: ignore[arg-type]
+        rkv = ReceivedKV(msg, payload if ok else None, ok, reason or "", release,  # type: ignore[arg-type]
+                         streamed, arrived_at, time.time())
         if not ok:
             rkv.release()
         with self._held_lock:
@@ -515,6 +699,114 @@ class ZmqKVReceiver(KVReceiver):
             rkv.release()
             self._loop.counters["ready_full"] += 1
             self._send_ack(KVAck(request_id=rid, ok=False, reason="decode worker KV queue full"))
+
+    @staticmethod
+    def _releasing(asm: _Assembly, release: object) -> object:
+        """One release for a transfer's own payload and its stream's parts."""
+
+        def both() -> None:
+            asm.release()
+            if callable(release):
+                release()
+
+        return both
+
+    @staticmethod
+    def _stream_mismatch(msg: KVTransfer, asm: _Assembly | None) -> str | None:
+        """None when the parts that came before `msg` are exactly the blocks it says came."""
+        if msg.parts == 0:
+            return None
+        if asm is None:
+            return f"its {msg.parts} streamed parts did not arrive (or were dropped)"
+        if asm.failed:
+            return asm.failed
+        if asm.sender != msg.prefill_worker_id or asm.next_seq != msg.parts or asm.next_block != msg.first_block:
+            return (f"the stream has {asm.next_seq} parts, blocks 0..{asm.next_block} from {asm.sender!r}; the "
+                    f"transfer says {msg.parts}, 0..{msg.first_block} from {msg.prefill_worker_id!r}")
+        if asm.total_blocks != msg.tensor.shape[2] + msg.first_block:
+            return f"the stream was for {asm.total_blocks} blocks, the transfer ends at {msg.tensor.shape[2] + msg.first_block}"
+        return None
+
+    def _on_part(self, part: KVPart, frames: list) -> None:
+        """Verify one streamed part now and keep it for the transfer that will end its stream."""
+        rid = part.request_id
+        asm = self._assemblies.get(rid)
+        if part.cancel:
+            if asm is not None and asm.sender == part.prefill_worker_id:
+                self._loop.counters["streams_cancelled"] += 1
+                self._drop_assembly(rid)
+            return
+        if asm is not None and (asm.sender != part.prefill_worker_id or part.seq == 0):
+            self._drop_assembly(rid)  # the request was sent again: its old stream will never end
+            asm = None
+        if asm is None:
+            if len(self._assemblies) >= MAX_STREAMS:
+                self._loop.counters["streams_refused"] += 1
+                return self._drop(f"request {rid}: {MAX_STREAMS} KV streams already open")
+            asm = self._assemblies[rid] = _Assembly(part.prefill_worker_id, part.total_blocks, time.monotonic())
+        asm.last_at = time.monotonic()
+        if asm.failed:
+            return
+        block_bytes = part.tensor.nbytes // max(1, part.tensor.shape[2] if len(part.tensor.shape) == 6 else 1)
+        reason = (
+            self._check_fingerprint(part.fingerprint) or part_shape_mismatch(part)
+            or (f"part {part.seq} after {asm.next_seq}, at block {part.first_block} after {asm.next_block}"
+                if part.seq != asm.next_seq or part.first_block != asm.next_block else None)
+            or (f"part for {part.total_blocks} blocks in a stream of {asm.total_blocks}"
+                if part.total_blocks != asm.total_blocks else None)
+            or (f"{self._stream_bytes + part.tensor.nbytes} streamed KV bytes would pass the bound of "
+                f"{self._max_stream_bytes}" if self._stream_bytes + part.tensor.nbytes > self._max_stream_bytes
+                or asm.total_blocks * block_bytes > self._max_stream_bytes else None)
+        )
+        view, release = None, None
+        try:
+            if reason is None:
+                view, release = self._open(part, frames)  # type: ignore[arg-type]
+                reason = verify_reason(part.tensor, view)
+        except (TensorFrameError, TransportError, msgspec.MsgspecError) as exc:
+            reason = str(exc)
+        if reason is not None:
+            if callable(release):
+                release()
+            self._loop.counters["parts_rejected"] += 1
+            log.warning("request %s: KV part %d refused: %s", rid, part.seq, reason)
+            self._fail_assembly(asm, f"streamed part {part.seq} refused: {reason}")
+            return
+        assert view is not None
+        asm.parts.append((part.first_block, view))
+        if release is not None:
+            asm.releases.append(release)
+        asm.next_seq += 1
+        asm.next_block += view.shape[2]
+        asm.nbytes += part.tensor.nbytes
+        self._stream_bytes += part.tensor.nbytes
+        self._loop.counters["parts_received"] += 1
+        self._loop.counters["bytes_received"] += part.tensor.nbytes
+
+    def _fail_assembly(self, asm: _Assembly, why: str) -> None:
+        """Keep the stream's failure (its transfer is NACKed with it), not its parts."""
+        asm.failed = why
+        self._stream_bytes -= asm.nbytes
+        asm.nbytes = 0
+        asm.release()
+
+    def _drop_assembly(self, rid: str) -> None:
+        asm = self._assemblies.pop(rid)
+        self._stream_bytes -= asm.nbytes
+        asm.release()
+
+    def _tick(self, now: float) -> float | None:
+        for rid, asm in list(self._assemblies.items()):
+            if now - asm.last_at >= STREAM_IDLE_S:  # its sender is gone, or never ended it
+                self._loop.counters["streams_expired"] += 1
+                log.warning("request %s: KV stream idle for %.0f s; dropped", rid, now - asm.last_at)
+                self._drop_assembly(rid)
+        if not self._assemblies:
+            return None
+        return max(0.5, min(STREAM_IDLE_S - (now - a.last_at) for a in self._assemblies.values()))
+
+    def _check_fingerprint(self, fingerprint: ModelFingerprint) -> str | None:
+        return None if self.fingerprint is None else fingerprint_mismatch(self.fingerprint, fingerprint)
 
     def _check(self, msg: KVTransfer) -> str | None:
         # Every receiver also takes inline (tcp) transfers: the fallback between hosts.

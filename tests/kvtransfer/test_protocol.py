@@ -190,7 +190,7 @@ def test_verify_refuses_an_unknown_checksum_algorithm():
 def test_describe_names_the_dtype_shape_and_size():
     header = describe(torch.zeros(2, 3, dtype=torch.bfloat16))
     assert (header.dtype, header.shape, header.nbytes) == ("bfloat16", (2, 3), 12)
-    assert header.checksum.startswith("crc32:")
+    assert header.checksum.startswith("xxh3:")
 
 
 # --- KV payloads --------------------------------------------------------------------------

@@ -1,0 +1,125 @@
+"""The KV hand-off's cost on long prompts: the gap between the first token and the second, with
+the KV streamed as each prompt chunk lands (`--kv-streaming layer`) and sent whole at the end
+(`request`), beside the same deployment's median decode step.
+
+    python -m pdserve.bench.handoff_bench --model ~/.cache/pdserve-shapes/llama-3.2-1b \\
+        [--prompt-tokens 4096] [--requests 5] [--modes layer,request] [--kv-transport shm] [--json PATH]
+
+Each mode is a `pdserve up` of one prefill and one decode worker. Requests go one at a time (no
+queueing, no batching: the gap is the hand-off's own), each a prompt of fresh random token ids
+(no prefix-cache hit), streaming `--max-tokens` tokens. Per request the client times every token;
+the gap is first -> second, the decode step the median interval after it. The router's hand-off
+split (`pdserve_handoff_phase_seconds`, means over the run) says where the gap went. Build the
+model with `python -m pdserve.bench.shapes llama-3.2-1b` (random weights of that architecture).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from pdserve.bench.handoff_scrape import handoff_moments, handoff_split
+from pdserve.bench.stage_scrape import metrics_page
+from pdserve.bench.up_process import UpProcess
+from pdserve.config.envs import flag_default
+from pdserve.config.names import KV_STREAMING, KV_TRANSPORTS
+
+
+def token_times(base_url: str, model: str, prompt: list[int], max_tokens: int, timeout: float) -> list[float]:
+    """perf_counter() at each streamed token of one completion (one token per chunk)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
+            "ignore_eos": True}
+    times: list[float] = []
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=timeout) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data:") or line.endswith("[DONE]"):
+                continue
+            chunk = json.loads(line[5:])
+            if any(c.get("text") for c in chunk.get("choices", [])):
+                times.append(time.perf_counter())
+    return times
+
+
+def run_mode(model: str, mode: str, args: argparse.Namespace, log_dir: Path) -> dict:
+    extra = ("--kv-transport", args.kv_transport, "--kv-streaming", mode, "--dtype", args.dtype,
+             "--max-num-batched-tokens", str(args.chunk))
+    up = UpProcess(model, log_dir / f"up-{mode}.log", num_prefill=1, num_decode=1, args=extra,
+                   kv_cache_gb=args.kv_cache_gb, threads=args.threads).start(timeout=600)
+    rng = random.Random(args.seed)
+    gaps, steps, ttfts = [], [], []
+    try:
+        before = handoff_moments(metrics_page(up.base_url))
+        for i in range(args.requests + 1):  # the first warms both workers up
+            prompt = [rng.randrange(1000, 30000) for _ in range(args.prompt_tokens)]
+            sent = time.perf_counter()
+            times = token_times(up.base_url, up.model(), prompt, args.max_tokens, args.timeout)
+            if len(times) < 3:
+                raise RuntimeError(f"{mode}: request {i} streamed {len(times)} tokens")
+            if i == 0:
+                before = handoff_moments(metrics_page(up.base_url))
+                continue
+            ttfts.append(times[0] - sent)
+            gaps.append(times[1] - times[0])
+            steps += [b - a for a, b in zip(times[1:], times[2:], strict=False)]
+            print(f"  {mode}: request {i}: TTFT {ttfts[-1]:.2f} s, gap {gaps[-1] * 1e3:.1f} ms, "
+                  f"decode step {statistics.median(steps) * 1e3:.1f} ms", flush=True)
+        split = handoff_split(before, handoff_moments(metrics_page(up.base_url)))
+    finally:
+        up.stop()
+    step = statistics.median(steps)
+    gap = statistics.median(gaps)
+    return {"mode": mode, "requests": len(gaps), "gap_p50_ms": gap * 1e3, "gap_max_ms": max(gaps) * 1e3,
+            "decode_step_p50_ms": step * 1e3, "gap_over_step": gap / step, "ttft_p50_s": statistics.median(ttfts),
+            "gaps_ms": [g * 1e3 for g in gaps], "split": split}
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| --kv-streaming | gap p50 (ms) | gap / decode step | decode step p50 (ms) | wait / send / verify / "
+           "load, means (ms) | parts | TTFT p50 (s) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s = r.get("split") or {}
+        phases = " / ".join(f"{s.get(f'mean_{p}_ms', float('nan')):.1f}" for p in ("wait", "send", "verify", "load"))
+        out.append(f"| {r['mode']} | {r['gap_p50_ms']:.1f} | {r['gap_over_step']:.2f}x | {r['decode_step_p50_ms']:.1f} "
+                   f"| {phases} | {s.get('mean_parts', float('nan')):.1f} | {r['ttft_p50_s']:.2f} |")
+    if len(rows) == 2:
+        out.append(f"\nThe gap with {rows[0]['mode']} streaming is {rows[1]['gap_p50_ms'] / rows[0]['gap_p50_ms']:.2f}x "
+                   f"shorter than with {rows[1]['mode']}.")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=flag_default("model", str(Path.home() / ".cache/pdserve-shapes/llama-3.2-1b")))
+    p.add_argument("--prompt-tokens", type=int, default=flag_default("prompt-tokens", 4096))
+    p.add_argument("--requests", type=int, default=flag_default("requests", 5), help="timed requests per mode")
+    p.add_argument("--max-tokens", type=int, default=flag_default("max-tokens", 16))
+    p.add_argument("--modes", default=flag_default("modes", ",".join(KV_STREAMING)))
+    p.add_argument("--kv-transport", default=flag_default("kv-transport", "shm"), choices=KV_TRANSPORTS)
+    p.add_argument("--dtype", default=flag_default("dtype", "bfloat16"))
+    p.add_argument("--chunk", type=int, default=flag_default("chunk", 512), help="--max-num-batched-tokens")
+    p.add_argument("--kv-cache-gb", type=float, default=flag_default("kv-cache-gb", 1.0))
+    p.add_argument("--threads", type=int, default=flag_default("threads", 2))
+    p.add_argument("--timeout", type=float, default=flag_default("timeout", 600.0))
+    p.add_argument("--seed", type=int, default=flag_default("seed", 0))
+    p.add_argument("--json", default=flag_default("json", None), help="write the rows here")
+    args = p.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pdserve-handoff-") as tmp:
+        for mode in [m for m in args.modes.split(",") if m]:
+            print(f"{mode}: {args.requests} prompts of {args.prompt_tokens} tokens, {args.model}", flush=True)
+            rows.append(run_mode(args.model, mode, args, Path(tmp)))
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
