@@ -28,7 +28,6 @@ import httpx
 from pdserve.bench.handoff_scrape import handoff_moments, handoff_split
 from pdserve.bench.stage_scrape import metrics_page
 from pdserve.bench.up_process import UpProcess
-from pdserve.config.envs import flag_default
 from pdserve.config.names import KV_STREAMING, KV_TRANSPORTS
 
 
@@ -97,19 +96,20 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=flag_default("model", str(Path.home() / ".cache/pdserve-shapes/llama-3.2-1b")))
-    p.add_argument("--prompt-tokens", type=int, default=flag_default("prompt-tokens", 4096))
-    p.add_argument("--requests", type=int, default=flag_default("requests", 5), help="timed requests per mode")
-    p.add_argument("--max-tokens", type=int, default=flag_default("max-tokens", 16))
-    p.add_argument("--modes", default=flag_default("modes", ",".join(KV_STREAMING)))
-    p.add_argument("--kv-transport", default=flag_default("kv-transport", "shm"), choices=KV_TRANSPORTS)
-    p.add_argument("--dtype", default=flag_default("dtype", "bfloat16"))
-    p.add_argument("--chunk", type=int, default=flag_default("chunk", 512), help="--max-num-batched-tokens")
-    p.add_argument("--kv-cache-gb", type=float, default=flag_default("kv-cache-gb", 1.0))
-    p.add_argument("--threads", type=int, default=flag_default("threads", 2))
-    p.add_argument("--timeout", type=float, default=flag_default("timeout", 600.0))
-    p.add_argument("--seed", type=int, default=flag_default("seed", 0))
-    p.add_argument("--json", default=flag_default("json", None), help="write the rows here")
+    p.add_argument("--model", default=str(Path.home() / ".cache/pdserve-shapes/llama-3.2-1b"),
+                   help="the model both workers serve (default: Llama-3.2-1B's shape, as bench.shapes writes it)")
+    p.add_argument("--prompt-tokens", type=int, default=4096, help="tokens of each prompt")
+    p.add_argument("--requests", type=int, default=5, help="timed requests per mode")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens streamed per request")
+    p.add_argument("--modes", default=",".join(KV_STREAMING), help="the --kv-streaming values to measure, in turn")
+    p.add_argument("--kv-transport", default="shm", choices=KV_TRANSPORTS, help="between the two workers")
+    p.add_argument("--dtype", default="bfloat16", help="the workers' --dtype")
+    p.add_argument("--chunk", type=int, default=512, help="--max-num-batched-tokens")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="each worker's --kv-cache-memory-gb")
+    p.add_argument("--threads", type=int, default=2, help="each worker's --threads (unpinned)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--seed", type=int, default=0, help="of the random prompts")
+    p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdserve-handoff-") as tmp:

@@ -13,8 +13,7 @@ timed region: in serving that gather is the copy that replaces the one into the 
 "% of limit" is deliver over the same run's limit: a torch copy of the same bytes for shm (and
 cuda_ipc), a plain loopback TCP socket moving them for tcp. The checksum rows give each
 algorithm's rate on one core; hmac-sha256 is what a MAC over every payload byte costs.
-Medians over the repeats. Every option `--foo-bar` defaults to $PDSERVE_FOO_BAR when set.
-"""
+Medians over the repeats. """
 
 from __future__ import annotations
 
@@ -31,7 +30,6 @@ from typing import NamedTuple
 import torch
 
 from pdserve.bench.report import format_table, write_json
-from pdserve.config.envs import flag_default
 from pdserve.engine.kv_cache import gather_blocks, scatter_blocks
 from pdserve.kvtransfer.tensors import checksum, describe
 from pdserve.kvtransfer.transport import available_kinds, make_receiver, make_sender
@@ -225,10 +223,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--sizes-mb", default=flag_default("sizes-mb", "1,16,64"), help="payload sizes in MiB")
-    p.add_argument("--repeats", type=int, default=flag_default("repeats", 5))
-    p.add_argument("--transports", default=flag_default("transports", ",".join(available_kinds())))
-    p.add_argument("--json", default=flag_default("json", ""), help="also write the rows to this JSON file")
+    p.add_argument("--sizes-mb", default="1,16,64", help="payload sizes in MiB")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--transports", default=",".join(available_kinds()))
+    p.add_argument("--json", default="", help="also write the rows to this JSON file")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes_mb.split(",") if s]
     kinds = [k for k in args.transports.split(",") if k]

@@ -80,6 +80,7 @@ class DecodeWorker(Worker):
         self.engine.abort(request_ids)  # the connector NACKs a transfer its request had not loaded
         for rid in request_ids:
             self.handoff_timings.pop(rid, None)
+            self.receiver.drop_stream(rid)  # parts that came before the abort: nothing will end them
         self.aborted.add(request_ids)
         self._send_acks()
 

@@ -180,6 +180,12 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
                 out.append(HandoffResult(ack.request_id, ack.ok, ack.reason))
         return out
 
+    def open(self, kinds: tuple[str, ...]) -> None:
+        """Start the senders of these transports now, not at the first hand-off: a shm sender
+        unlinks the segments a killed predecessor of this worker left behind as it starts."""
+        for kind in kinds:
+            self._sender(kind)
+
     def close(self) -> None:
         for sender in self._senders.values():
             sender.close()

@@ -88,6 +88,7 @@ class PrefillWorker(Worker):
         self.spans.started(work.request_id, work.trace_context, req, QUEUE)
 
     def start(self) -> PrefillWorker:
+        self.handoff.open(self.options.kv_transports)
         super().start()
         self.handoff.trace_context = self.spans.kv_context  # each KVTransfer names its kv_send span
         return self

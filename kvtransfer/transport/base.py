@@ -91,12 +91,13 @@ class KVSender(ABC):
     kind: str
 
     @abstractmethod
-    def send(self, address: str, meta: KVTransfer, payload: torch.Tensor) -> None:
-        """Queue `payload` for the decode worker listening at `address`; returns at once.
+    def send(self, address: str, meta: KVTransfer, payload: torch.Tensor) -> bool:
+        """Queue `payload` for the decode worker listening at `address`; returns at once, False
+        when it refused the send there and then (its NACK is already in `poll_acks`).
         The sender fills in meta.tensor (with its checksum), .transport, .location, .lease_deadline."""
 
     @abstractmethod
-    def send_part(self, address: str, part: KVPart, payload: torch.Tensor) -> None:
+    def send_part(self, address: str, part: KVPart, payload: torch.Tensor) -> bool:
         """Queue one streamed part of a request's KV (no ack of its own): the request's
         `send` with `meta.parts` equal to the parts sent ends the stream, and its ack (or lease
         expiry) frees them all. A part that cannot be staged breaks the stream: that `send`
@@ -137,6 +138,11 @@ class KVReceiver(ABC):
     @abstractmethod
     def ack(self, request_id: str, ok: bool, reason: str = "") -> None:
         """Release the request's payload and send its KVAck to the prefill worker; non-blocking."""
+
+    @abstractmethod
+    def drop_stream(self, request_id: str) -> None:
+        """Drop the parts of the request's stream that has not ended yet (the request was aborted
+        or sent elsewhere); non-blocking. A transfer that ends it later is NACKed."""
 
     @abstractmethod
     def stats(self) -> dict[str, int]: ...

@@ -196,7 +196,6 @@ class ShmKVSender(ZmqKVSender):
         self._held: dict[int, _Segment] = {}
         self._sent: dict[int, _Segment] = {}
         self._staging_lock = threading.Lock()
-        self._send_lock = threading.Lock()
         self._claimed: _Segment | None = None  # I/O thread: the staging segment of the send at hand
         super().__init__(lease_s=lease_s, name=name, auth=auth)
 
@@ -223,13 +222,13 @@ class ShmKVSender(ZmqKVSender):
             raise ValueError("not a staging tensor of this sender (sent or released already?)")
         self._pool.release(seg)
 
-    def send(self, address: str, meta: KVTransfer, payload: torch.Tensor) -> None:
-        self._hand_over(payload, super().send, address, meta, payload)
+    def send(self, address: str, meta: KVTransfer, payload: torch.Tensor) -> bool:
+        return self._hand_over(payload, super().send, address, meta, payload)
 
-    def send_part(self, address: str, part: KVPart, payload: torch.Tensor) -> None:
-        self._hand_over(payload, super().send_part, address, part, payload)
+    def send_part(self, address: str, part: KVPart, payload: torch.Tensor) -> bool:
+        return self._hand_over(payload, super().send_part, address, part, payload)
 
-    def _hand_over(self, payload: torch.Tensor, send: Callable[..., None], *args: object) -> None:
+    def _hand_over(self, payload: torch.Tensor, send: Callable[..., bool], *args: object) -> bool:
         """Call `send`; a staging tensor it did not queue for the I/O thread goes back to the pool."""
         key = payload.data_ptr()
         with self._staging_lock:
@@ -238,17 +237,13 @@ class ShmKVSender(ZmqKVSender):
                 self._sent[key] = seg
         queued = False
         try:
-            # Serialized so that "queue_full" moves only for this call: the one way to learn that
-            # the base class refused a send without handing it to the I/O thread.
-            with self._send_lock:
-                refused = self._loop.counters["queue_full"]
-                send(*args)
-                queued = self._loop.counters["queue_full"] == refused
+            queued = send(*args)
         finally:
             if seg is not None and not queued:
                 with self._staging_lock:
                     del self._sent[key]
                 self._pool.release(seg)
+        return queued
 
     def stats(self) -> dict[str, int]:
         return {

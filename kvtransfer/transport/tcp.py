@@ -159,7 +159,7 @@ class ZmqKVSender(KVSender):
 
     # --- engine thread -------------------------------------------------------------------
 
-    def send(self, address: str, meta: KVTransfer, payload: torch.Tensor) -> None:
+    def send(self, address: str, meta: KVTransfer, payload: torch.Tensor) -> bool:
         check_address(address)
         with self._queued_lock:
             full = self._queued >= MAX_QUEUED_SENDS
@@ -168,16 +168,18 @@ class ZmqKVSender(KVSender):
         if full:
             self._loop.counters["queue_full"] += 1
             self._acks.put(KVAck(request_id=meta.request_id, ok=False, reason="KV send queue full"))
-            return
+            return False
         ready = self._ready_event(payload)
         self._loop.call_soon(lambda: self._send_now(address, meta, payload, ready))
+        return True
 
-    def send_part(self, address: str, part: KVPart, payload: torch.Tensor) -> None:
+    def send_part(self, address: str, part: KVPart, payload: torch.Tensor) -> bool:
         check_address(address)
-        with self._queued_lock:
+        with self._queued_lock:  # parts are never refused here: their request's send already counts
             self._queued += 1
         ready = self._ready_event(payload)
         self._loop.call_soon(lambda: self._send_part_now(address, part, payload, ready))
+        return True
 
     def cancel_stream(self, address: str, request_id: str, prefill_worker_id: str, receiver_id: str) -> None:
         self._loop.call_soon(lambda: self._cancel_now(request_id))
@@ -224,10 +226,12 @@ class ZmqKVSender(KVSender):
         with self._queued_lock:
             self._queued -= 1
         rid = meta.request_id
+        stream = self._streams.pop(rid, None)
         if rid in self._inflight:
+            if stream is not None:
+                self._drop_stream(rid, stream)
             self._fail(rid, "a KV transfer of this request is already in flight")
             return
-        stream = self._streams.pop(rid, None)
         if meta.parts or stream is not None:  # it ends a stream: every part must have gone, in order
             why = ("no part of it was sent" if stream is None else stream.broken
                    or (f"{stream.sent} parts sent, the transfer says {meta.parts}" if stream.sent != meta.parts else "")
@@ -491,7 +495,7 @@ class ZmqKVReceiver(KVReceiver):
         name: str = "kv-receiver",
         auth: FrameAuth | None = None,
         receiver_id: str = "",
-        max_stream_bytes: int = 16 << 30,
+        max_stream_bytes: int = 4 << 30,
     ) -> None:
         check_address(address)
         self.fingerprint = fingerprint
@@ -532,8 +536,12 @@ class ZmqKVReceiver(KVReceiver):
             lambda: self._send_ack(KVAck(request_id=request_id, ok=ok, reason=reason))
         )
 
+    def drop_stream(self, request_id: str) -> None:
+        self._loop.call_soon(lambda: self._drop_assembly(request_id))
+
     def stats(self) -> dict[str, int]:
         stats = dict(self._loop.counters)
+        stats["streams_open"] = len(self._assemblies)  # a read of another thread's dict's size: atomic
         if self._unknown_acks:
             stats["unknown_acks"] = self._unknown_acks
         return stats
@@ -791,9 +799,10 @@ class ZmqKVReceiver(KVReceiver):
         asm.release()
 
     def _drop_assembly(self, rid: str) -> None:
-        asm = self._assemblies.pop(rid)
-        self._stream_bytes -= asm.nbytes
-        asm.release()
+        asm = self._assemblies.pop(rid, None)
+        if asm is not None:
+            self._stream_bytes -= asm.nbytes
+            asm.release()
 
     def _tick(self, now: float) -> float | None:
         for rid, asm in list(self._assemblies.items()):

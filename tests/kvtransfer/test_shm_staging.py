@@ -15,7 +15,7 @@ from pdserve.kvtransfer.tensors import TensorFrameError, describe
 from pdserve.kvtransfer.transport import TransportError, make_receiver
 from pdserve.kvtransfer.transport.shm import ShmKVSender, ShmLocation
 from pdserve.protocol.messages import KVPart, KVTransfer, ModelFingerprint
-from pdserve.protocol.sampling import SamplingParams
+from tests.kvtransfer import test_transports as transports
 
 ADDR = "tcp://127.0.0.1:0"
 WAIT = 10.0  # seconds: an upper bound, never a sleep
@@ -33,18 +33,7 @@ def payload_shape(num_blocks: int) -> tuple[int, ...]:
 
 
 def make_meta(payload: torch.Tensor, request_id: str = "req-1") -> KVTransfer:
-    num_tokens = payload.shape[2] * FP.block_size
-    return KVTransfer(
-        request_id=request_id,
-        prefill_worker_id="prefill-0",
-        prompt_token_ids=tuple(range(num_tokens)),
-        output_token_ids=(),
-        sampling=SamplingParams(),
-        num_computed_tokens=num_tokens,
-        fingerprint=FP,
-        tensor=describe(payload, with_checksum=False),
-        transport="",
-    )
+    return transports.make_meta(payload, FP, request_id)
 
 
 def busy(sender: ShmKVSender) -> int:

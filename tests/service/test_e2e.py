@@ -202,8 +202,9 @@ def test_flipped_byte_in_kv_payload_is_detected_and_never_decoded(disagg, tiny):
     s.setsockopt(zmq.LINGER, 0)
     secure_client(s, FrameAuth.from_secret(disagg.secret.encode()))  # a holder of the secret
     s.connect(f"tcp://127.0.0.1:{disagg.proc('decode-0').kv_port}")
-    # Signed with the deployment's secret: the checksum, not the MAC, is what catches it here.
-    s.send_multipart(FrameAuth.from_secret(disagg.secret.encode()).seal(KV_TO_DECODE, [encode(meta), bytes(raw)]))
+    # Signed with the deployment's secret (the MAC covers the header, which carries the payload's
+    # checksum): the checksum is what catches it here.
+    s.send_multipart([*FrameAuth.from_secret(disagg.secret.encode()).seal(KV_TO_DECODE, [encode(meta)]), bytes(raw)])
     assert s.poll(5000), "no answer from the decode worker"
     ack = decode(s.recv_multipart()[-1])
     s.close()
