@@ -9,6 +9,9 @@ deployment secret (CURVE handshake and frame MACs: the default deployment) and o
 both checksums, the socket); "round trip" adds the engine's copy-in (`scatter_blocks`) and the
 ack's return. "shm (staged)" gathers the blocks straight into `ShmKVSender.staging` inside the
 timed region: in serving that gather is the copy that replaces the one into the segment.
+"in parts" sends the payload as the prefill connector does: parts of at most PART_BYTES (16
+MiB), each gathered on its own (into a staging segment for shm) and checked on arrival while
+the next one travels, the last carried by the transfer itself.
 
 "% of limit" is deliver over the same run's limit: a torch copy of the same bytes for shm (and
 cuda_ipc), a plain loopback TCP socket moving them for tcp. The checksum rows give each
@@ -27,14 +30,16 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+import msgspec
 import torch
 
 from pdserve.bench.report import format_table, write_json
 from pdserve.engine.kv_cache import gather_blocks, scatter_blocks
+from pdserve.kvtransfer.connector import PART_BYTES
 from pdserve.kvtransfer.tensors import checksum, describe
-from pdserve.kvtransfer.transport import available_kinds, make_receiver, make_sender
+from pdserve.kvtransfer.transport import KVSender, available_kinds, make_receiver, make_sender
 from pdserve.protocol.auth import FrameAuth
-from pdserve.protocol.messages import KVTransfer, ModelFingerprint
+from pdserve.protocol.messages import KVPart, KVTransfer, ModelFingerprint
 from pdserve.protocol.sampling import SamplingParams
 
 # 16 layers x (K, V) x 16 tokens x 8 heads x 64 dims x 4 bytes = 1 MiB per block (float32).
@@ -87,7 +92,8 @@ def _auth(secure: bool) -> FrameAuth | None:
 
 
 def bench_transport(
-    kind: str, num_blocks: int, repeats: int, device: str, *, secure: bool, staged: bool = False
+    kind: str, num_blocks: int, repeats: int, device: str, *, secure: bool, staged: bool = False,
+    parts: bool = False,
 ) -> tuple[float, float]:
     """Median seconds (deliver, round trip) for one payload of `num_blocks` MiB-blocks."""
     fp = _FP
@@ -102,18 +108,18 @@ def bench_transport(
         for i in range(repeats + 1):  # the first one warms up (connect, segment creation)
             rid = f"bench-{i}"
             t0 = time.perf_counter()
-            payload = source
-            if staged:  # ShmKVSender only
-                out = tx.staging(source.shape, source.dtype)  # type: ignore[attr-defined]
-                payload = gather_blocks(source, ids, out=out)
-                del out
-            tx.send(rx.address, _meta(payload, fp, rid), payload)
+            first = _send_parts(tx, rx.address, source, rid, staged) if parts else 0
+            payload = _gathered(tx, source, ids[first:], staged) if staged or first else source
+            meta = msgspec.structs.replace(_meta(source, fp, rid), tensor=describe(payload, with_checksum=False),
+                                           first_block=first, parts=-(-first // PART_BLOCKS))
+            tx.send(rx.address, meta, payload)
             del payload  # a staging tensor belongs to the sender once sent
             (got,) = rx.poll(timeout=60)
             t1 = time.perf_counter()
             if not got.ok or got.payload is None:
                 raise RuntimeError(f"{kind}: transfer refused: {got.reason}")
-            scatter_blocks(cache, ids, got.payload)
+            for at, piece in got.pieces():
+                scatter_blocks(cache, ids[at : at + piece.shape[2]], piece)
             rx.ack(rid, True)
             (ack,) = tx.poll_acks(timeout=60)
             t2 = time.perf_counter()
@@ -125,6 +131,29 @@ def bench_transport(
     if not torch.equal(cache, source):
         raise RuntimeError(f"{kind}: the decode cache does not hold the blocks sent")
     return statistics.median(deliver), statistics.median(round_trip)
+
+
+PART_BLOCKS = PART_BYTES >> 20  # the payload's blocks are 1 MiB each
+
+
+def _gathered(tx: KVSender, source: torch.Tensor, ids: list[int], staged: bool) -> torch.Tensor:
+    """These blocks of `source`, gathered (into a staging segment of the sender's where `staged`)."""
+    if not staged:
+        return gather_blocks(source, ids)
+    out = tx.staging((*source.shape[:2], len(ids), *source.shape[3:]), source.dtype)  # type: ignore[attr-defined]
+    return gather_blocks(source, ids, out=out)
+
+
+def _send_parts(tx: KVSender, address: str, source: torch.Tensor, rid: str, staged: bool) -> int:
+    """Send every block but the last PART_BLOCKS or fewer as parts; the first block left."""
+    n = source.shape[2]
+    ahead = (n - 1) // PART_BLOCKS * PART_BLOCKS
+    for seq, at in enumerate(range(0, ahead, PART_BLOCKS)):
+        piece = _gathered(tx, source, list(range(at, at + PART_BLOCKS)), staged)
+        tx.send_part(address, KVPart(request_id=rid, prefill_worker_id="bench", receiver_id="", seq=seq,
+                                     first_block=at, total_blocks=n, fingerprint=_FP,
+                                     tensor=describe(piece, with_checksum=False), transport=""), piece)
+    return ahead
 
 
 def _median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
@@ -211,10 +240,14 @@ def run(sizes: list[int], kinds: list[str], repeats: int) -> list[Row]:
             rows.append(Row(f"checksum {algorithm} ({device})", mb, _gbps(nbytes, seconds)))
         for kind in kinds:
             device = "cuda" if kind == "cuda_ipc" else "cpu"
-            for staged in (False, True) if kind == "shm" else (False,):
+            variants = [(False, False)]  # (staged, in parts): whole, as the transport is given it
+            if device == "cpu":  # and as the prefill connector sends it
+                variants += [(True, False), (True, True)] if kind == "shm" else [(False, True)]
+            for staged, parts in variants:
                 for secure in (True, False):
-                    deliver, rt = bench_transport(kind, mb, repeats, device, secure=secure, staged=staged)
-                    what = kind + (" (staged)" if staged else "") + ("" if secure else " --insecure")
+                    deliver, rt = bench_transport(kind, mb, repeats, device, secure=secure, staged=staged, parts=parts)
+                    what = kind + (" (staged)" if staged else "") + (" in parts" if parts else "") + (
+                        "" if secure else " --insecure")
                     rows.append(Row(what, mb, _gbps(nbytes, deliver), _gbps(nbytes, rt)))
     return _with_limits(rows)
 

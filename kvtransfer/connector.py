@@ -56,11 +56,15 @@ from pdserve.engine.kv_connector import (
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.kvtransfer.tensors import ALLOWED_DTYPES, describe
 from pdserve.kvtransfer.transport import KVSender, ReceivedKV, make_sender
+from pdserve.kvtransfer.transport.tcp import PAYLOAD_FRAME_BYTES
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import HandoffTiming, KVPart, KVTransfer, ModelFingerprint
 from pdserve.protocol.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+PART_BYTES = PAYLOAD_FRAME_BYTES  # the most KV one message carries: one tcp frame, never joined
 
 
 @dataclass(slots=True)
@@ -126,6 +130,9 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
                  lease_s: float = 5.0, auth: FrameAuth | None = None, streaming: bool = True) -> None:
         self.fingerprint = fingerprint
         self.streaming = streaming  # ship each prompt chunk's blocks as it lands (--kv-streaming layer)
+        fp = fingerprint
+        block_bytes = fp.num_layers * 2 * fp.block_size * fp.num_kv_heads * fp.head_dim * ALLOWED_DTYPES[fp.dtype].itemsize
+        self._blocks_per_part = max(1, PART_BYTES // block_bytes)
         self.auth = auth  # signs every KV frame (None: unauthenticated, --insecure)
         self.worker_id = worker_id
         self.max_model_len = max_model_len
@@ -232,21 +239,26 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
             target = self.targets.get(req.request_id)
             if target is None or target.broken:
                 continue  # aborted since, or its stream broke: the KV goes whole at the end
-            sender = self._sender(target.transport)
-            total = -(-req.num_tokens // self.fingerprint.block_size)
+            total = -(-req.num_tokens // self.fingerprint.block_size)  # every token it computes here
             try:
-                payload = self._gather(sender, runner, st.block_ids)
-                part = KVPart(request_id=req.request_id, prefill_worker_id=self.worker_id,
-                              receiver_id=target.receiver_id, seq=target.parts, first_block=st.first_block,
-                              total_blocks=total, fingerprint=self.fingerprint,
-                              tensor=describe(payload, with_checksum=False), transport=target.transport)
-                sender.send_part(target.address, part, payload)
+                self._send_parts(req, target, runner, st.block_ids, st.first_block, total)
             except Exception as exc:  # e.g. an address the transport cannot dial
-                log.warning("request %s: streaming KV part %d failed, sending it whole at the end: %r",
+                log.warning("request %s: streaming KV part %d failed, sending the rest at the end: %r",
                             req.request_id, target.parts, exc)
                 self._cancel_stream(req.request_id, target)
                 target.broken = True
-                continue
+
+    def _send_parts(self, req: Request, target: HandoffTarget, runner: BlockStore, block_ids: list[int],
+                    first_block: int, total: int) -> None:
+        """Send these blocks as parts of at most PART_BYTES each; raises where one cannot go."""
+        sender = self._sender(target.transport)
+        for at in range(0, len(block_ids), self._blocks_per_part):
+            payload = self._gather(sender, runner, block_ids[at : at + self._blocks_per_part])
+            part = KVPart(request_id=req.request_id, prefill_worker_id=self.worker_id,
+                          receiver_id=target.receiver_id, seq=target.parts, first_block=first_block + at,
+                          total_blocks=total, fingerprint=self.fingerprint,
+                          tensor=describe(payload, with_checksum=False), transport=target.transport)
+            sender.send_part(target.address, part, payload)
             target.parts += 1
             target.nbytes += part.tensor.nbytes
 
@@ -262,12 +274,20 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
                 self._ship(req, save.block_ids, target, runner)
             except Exception as exc:  # e.g. a decode address the transport cannot dial
                 log.warning("request %s: KV hand-off to %s failed: %r", req.request_id, target.address, exc)
+                self._cancel_stream(req.request_id, target)
                 self.in_flight.pop(req.request_id, None)
                 self._released.append(req.request_id)
                 self._failed.append(HandoffResult(req.request_id, False, f"cannot send the KV: {exc}"))
 
     def _ship(self, req: Request, block_ids: list[int], target: HandoffTarget, runner: BlockStore) -> None:
         first = target.streamed_blocks if target.parts else 0  # the parts carried the rest
+        # What is left goes in parts of at most PART_BYTES too: the receiver checks one while the
+        # next is on its way, and never joins frames. The transfer carries the last of them.
+        ahead = (len(block_ids) - first - 1) // self._blocks_per_part * self._blocks_per_part
+        if ahead > 0:
+            total = -(-req.num_computed_tokens // self.fingerprint.block_size)
+            self._send_parts(req, target, runner, block_ids[first : first + ahead], first, total)
+            first += ahead
         sender = self._sender(target.transport)
         payload = self._gather(sender, runner, block_ids[first:])
         meta = KVTransfer(

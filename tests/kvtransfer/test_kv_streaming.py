@@ -85,28 +85,35 @@ def run_until(pair: Pair, done, limit: float = 30.0, admit=None) -> None:
         pair.turn(admit)
 
 
+# (streaming, blocks per message): streamed in parts of 3 blocks at most; sent at the end in parts
+# of 3 (what --kv-streaming request does with more than PART_BYTES); sent whole.
+WAYS = {"streamed": (True, 3), "at the end in parts": (False, 3), "whole": (False, 10**6)}
+
+
 @pytest.mark.parametrize("kind", ["tcp", "shm"])
 def test_a_streamed_handoff_loads_the_same_bits_as_a_whole_one_and_decodes_like_one_engine(tiny, colocated, kind):
     caches = {}
-    for streaming in (True, False):
+    for way, (streaming, per_part) in WAYS.items():
         pair = make_pair(tiny, kind, streaming)
+        pair.out_conn._blocks_per_part = per_part
         seen = loaded_kv(pair)
         try:
             for i, prompt in enumerate(PROMPTS):
                 pair.submit(f"r{i}", prompt, GREEDY)
             pair.run()
-            assert [pair.tokens[f"r{i}"] for i in range(len(PROMPTS))] == colocated
+            assert [pair.tokens[f"r{i}"] for i in range(len(PROMPTS))] == colocated, way
             assert not pair.nacks
             parts = pair.receiver.stats().get("parts_received", 0)
-            # 45, 58 and 71 tokens in chunks of 16 shared by three prompts: parts must have gone.
-            assert (parts >= len(PROMPTS)) if streaming else parts == 0
-            caches[streaming] = seen
+            # 45, 58 and 71 tokens: 12 to 18 blocks each, in chunks of 16 tokens shared by three prompts.
+            assert (parts >= 3 * len(PROMPTS)) if per_part == 3 else parts == 0, (way, parts)
+            caches[way] = seen
             assert_nothing_held(pair)
         finally:
             pair.close()
-    assert caches[True].keys() == caches[False].keys() == {f"r{i}" for i in range(len(PROMPTS))}
-    for rid, kv in caches[True].items():
-        assert torch.equal(kv, caches[False][rid]), rid
+    for way in WAYS:
+        assert caches[way].keys() == {f"r{i}" for i in range(len(PROMPTS))}
+        for rid, kv in caches[way].items():
+            assert torch.equal(kv, caches["whole"][rid]), (way, rid)
 
 
 def test_the_handoff_timing_rides_the_load_and_counts_every_part(tiny):
