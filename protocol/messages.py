@@ -12,7 +12,8 @@ Channels:
   worker DEALER --> router ROUTER (control):  Register, Heartbeat, TokenEvents, Goodbye
   router --> worker (same socket):            PrefillRequest, GenerateRequest, Abort, RegisterAck,
                                               HeartbeatAck
-  prefill --> decode (KV channel):            KVTransfer (+ tensor frames)
+  prefill --> decode (KV channel):            KVPart (+ tensor frames) while the prompt is prefilled,
+                                              then the KVTransfer that ends the stream (+ its own)
   decode --> prefill (KV channel):            KVAck
 """
 
