@@ -1,7 +1,12 @@
 """KV over ZeroMQ: the channel every transport shares, and the TCP transport itself.
 
-    prefill  DEALER (one per decode address) ──[KVTransfer msgpack][payload frames?]─► ROUTER  decode
-             DEALER ◄────────────────────────────[KVAck msgpack]───────────────────── ROUTER
+    prefill  DEALER (one per decode address) ──[KVPart ...][KVTransfer msgpack][payload frames?]─► ROUTER  decode
+             DEALER ◄──────────────────────────────────────[KVAck msgpack]──────────────────────── ROUTER
+
+A request's KV comes as zero or more KVParts (blocks streamed while its prompt is prefilled, and
+pieces of at most 16 MiB of the rest) and the KVTransfer that ends the stream; only the
+KVTransfer is acked. The receiver checks each part on arrival and keeps a view of it (an
+`_Assembly`) until the transfer hands them all out as one ReceivedKV (`pieces()`).
 
 TCP sends the payload as raw frames of at most `PAYLOAD_FRAME_BYTES` after the header (zero-copy
 on send: `copy=False, track=True` over slices of the tensor; on receipt a view over the one zmq
@@ -11,11 +16,13 @@ Frame of a small payload, a joined copy of a larger one's). Frames that size let
 `location` names the bytes.
 
 Every connection first proves the deployment secret (CURVE, handshake.py). Every message is then
-`[auth frame, header, *payload]` (pdserve.protocol.auth): the MAC covers the header and the payload
-frames, so a receiver never decodes a frame of an unauthenticated sender (it drops it, counted in
-`stats()`); a header naming another receiver (`receiver_id`) is dropped too. Acks are authenticated the same way. A transfer that fails
-on the receiver for any reason is NACKed at once. Sender sockets (one per decode address) are
-closed when idle for `IDLE_SOCKET_S` and capped at `MAX_PEER_SOCKETS`.
+`[auth frame, header, *payload]` (pdserve.protocol.auth): the MAC covers the header, which carries
+the payload's checksum, and CURVE authenticates every frame (docs/security.md, "KV payload
+integrity"), so a receiver never decodes a frame of an unauthenticated sender (it drops it,
+counted in `stats()`); a header naming another receiver (`receiver_id`) is dropped too. Acks are
+authenticated the same way. A transfer that fails on the receiver for any reason is NACKed at
+once. Sender sockets (one per decode address) are closed when idle for `IDLE_SOCKET_S` and capped
+at `MAX_PEER_SOCKETS`.
 """
 
 from __future__ import annotations
