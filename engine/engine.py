@@ -315,9 +315,10 @@ class Engine:
             outputs.append(RequestOutput(req.request_id, [req.token_ids[-1]], reason, lp, top,
                                          req.num_prompt_tokens, req.num_cached_tokens, error=req.error,
                                          position=req.num_output_tokens - 1, kv_held=kv_held))
-        for req, _ in out.scheduled:  # prompt chunks that landed: their KV may leave now
-            if req.status is RequestStatus.RUNNING and req.request_id not in sampled:
-                self.connector.scheduler.chunk_computed(req, self._landed_tokens(req), out.kv)
+        if self.connector.scheduler.streaming:  # prompt chunks that landed: their KV may leave now
+            for req, _ in out.scheduled:
+                if req.status is RequestStatus.RUNNING and req.request_id not in sampled:
+                    self.connector.scheduler.chunk_computed(req, self._landed_tokens(req), out.kv)
         self._streams.extend(out.kv.streams)
         self._saves.extend(out.kv.saves)
         self._record(start, now, out)

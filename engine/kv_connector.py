@@ -82,6 +82,10 @@ class KVConnectorMetadata:
 class KVConnectorScheduler(ABC):
     """The scheduler's half. Every method runs on the engine thread."""
 
+    # True where the connector ships KV while prompts are prefilled: only then does the engine
+    # tell it, step by step, which prompt chunks landed (`chunk_computed`).
+    streaming: bool = False
+
     @abstractmethod
     def num_external_tokens(self, req: Request) -> int:
         """How many of `req`'s first tokens have KV outside, to load at admission (0: none).

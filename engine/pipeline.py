@@ -417,7 +417,7 @@ class PipelineRunner:
                 _recv(self.links.kv, part, k, f"stage {k} KV read")
             parts.append(part)
         self._retire(self._posted)  # every stage answered: it took all that came before
-        return torch.cat(parts, dim=0) if out is None else torch.cat(parts, dim=0, out=out)
+        return torch.cat(parts, dim=0, out=out)
 
     def write_blocks(self, block_ids: BlockIds, payload: torch.Tensor) -> None:
         """Each stage's layers of `payload` into its cache (KVPayloadError before anything moves

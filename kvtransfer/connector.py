@@ -34,6 +34,7 @@ and loads it back when the request is admitted again (the same path as a transfe
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -54,6 +55,7 @@ from pdserve.engine.kv_connector import (
     KVStream,
 )
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.kvtransfer.payload import blocks_shape
 from pdserve.kvtransfer.tensors import ALLOWED_DTYPES, describe
 from pdserve.kvtransfer.transport import KVSender, ReceivedKV, make_sender
 from pdserve.kvtransfer.transport.tcp import PAYLOAD_FRAME_BYTES
@@ -94,11 +96,10 @@ def _untraced(request_id: str) -> str:
     return ""
 
 
-def handoff_timing(rkv: ReceivedKV, nbytes: int, loaded_at: float | None = None) -> HandoffTiming:
+def handoff_timing(rkv: ReceivedKV, nbytes: int) -> HandoffTiming:
     """Where a loaded transfer's hand-off went (protocol/messages.py HandoffTiming). The prefill's
     timestamps are its host's clock: between hosts a skewed clock shows as 0, never below."""
-    meta = rkv.meta
-    loaded_at = time.time() if loaded_at is None else loaded_at
+    meta, loaded_at = rkv.meta, time.time()
     return HandoffTiming(wait=max(0.0, meta.sent_at - meta.first_token_at) if meta.first_token_at else 0.0,
                          send=max(0.0, rkv.arrived_at - meta.sent_at) if meta.sent_at else 0.0,
                          verify=max(0.0, rkv.verified_at - rkv.arrived_at),
@@ -130,8 +131,7 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
                  lease_s: float = 5.0, auth: FrameAuth | None = None, streaming: bool = True) -> None:
         self.fingerprint = fingerprint
         self.streaming = streaming  # ship each prompt chunk's blocks as it lands (--kv-streaming layer)
-        fp = fingerprint
-        block_bytes = fp.num_layers * 2 * fp.block_size * fp.num_kv_heads * fp.head_dim * ALLOWED_DTYPES[fp.dtype].itemsize
+        block_bytes = math.prod(blocks_shape(fingerprint, 1)) * ALLOWED_DTYPES[fingerprint.dtype].itemsize
         self._blocks_per_part = max(1, PART_BYTES // block_bytes)
         self.auth = auth  # signs every KV frame (None: unauthenticated, --insecure)
         self.worker_id = worker_id
@@ -157,14 +157,12 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
         """The request was aborted: nothing more to ship (a transfer in flight still ends in an
         ack or a lease expiry; parts streamed before it are dropped on both sides)."""
         target = self.targets.pop(request_id, None) or self._held.pop(request_id, None)
-        self._held.pop(request_id, None)
         if target is not None:
             self._cancel_stream(request_id, target)
 
     def _cancel_stream(self, request_id: str, target: HandoffTarget) -> None:
         if target.parts:
-            self._sender(target.transport).cancel_stream(target.address, request_id, self.worker_id,
-                                                         target.receiver_id)
+            self._sender(target.transport).cancel_stream(request_id)
             target.parts = target.streamed_blocks = 0
 
     def poll_acks(self) -> list[HandoffResult]:
@@ -222,7 +220,7 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
 
     def chunk_computed(self, req: Request, num_tokens: int, meta: KVConnectorMetadata) -> None:
         target = self.targets.get(req.request_id)
-        if not self.streaming or target is None or target.broken:
+        if target is None or target.broken:
             return
         full = num_tokens // self.fingerprint.block_size  # complete blocks: no later token writes them
         if full > target.streamed_blocks:
@@ -310,9 +308,7 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
         staging = getattr(sender, "staging", None)
         if staging is None:
             return runner.read_blocks(block_ids)
-        fp = self.fingerprint
-        buf = staging((fp.num_layers, 2, len(block_ids), fp.block_size, fp.num_kv_heads, fp.head_dim),
-                      ALLOWED_DTYPES[fp.dtype])
+        buf = staging(blocks_shape(self.fingerprint, len(block_ids)), ALLOWED_DTYPES[self.fingerprint.dtype])
         try:
             return runner.read_blocks(block_ids, out=buf)
         except BaseException:

@@ -50,8 +50,13 @@ def part_shape_mismatch(part: KVPart) -> str | None:
     return _blocks_mismatch(fp, part.tensor, k, f"part {part.seq}")
 
 
+def blocks_shape(fp: ModelFingerprint, blocks: int) -> tuple[int, ...]:
+    """The payload of `blocks` KV blocks of the fingerprint's model: [L, 2, blocks, S, Hkv, D]."""
+    return (fp.num_layers, 2, blocks, fp.block_size, fp.num_kv_heads, fp.head_dim)
+
+
 def _blocks_mismatch(fp: ModelFingerprint, header: TensorHeader, blocks: int, what: str) -> str | None:
-    expected = (fp.num_layers, 2, blocks, fp.block_size, fp.num_kv_heads, fp.head_dim)
+    expected = blocks_shape(fp, blocks)
     if tuple(header.shape) != expected:
         return f"payload shape {list(header.shape)} does not match {list(expected)} ({what}, blocks of {fp.block_size})"
     if header.dtype != fp.dtype:

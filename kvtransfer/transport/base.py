@@ -104,7 +104,7 @@ class KVSender(ABC):
         then fails with a local NACK."""
 
     @abstractmethod
-    def cancel_stream(self, address: str, request_id: str, prefill_worker_id: str, receiver_id: str) -> None:
+    def cancel_stream(self, request_id: str) -> None:
         """Tell the receiver to drop the parts of a stream that will not end in a `send` (the
         request ended at its first token, or was aborted); free them here after the lease."""
 

@@ -188,7 +188,7 @@ class ZmqKVSender(KVSender):
         self._loop.call_soon(lambda: self._send_part_now(address, part, payload, ready))
         return True
 
-    def cancel_stream(self, address: str, request_id: str, prefill_worker_id: str, receiver_id: str) -> None:
+    def cancel_stream(self, request_id: str) -> None:
         self._loop.call_soon(lambda: self._cancel_now(request_id))
 
     @staticmethod

@@ -223,7 +223,7 @@ def test_a_staged_part_of_a_cancelled_stream_is_freed_after_its_lease(receiver):
     with ShmKVSender(lease_s=0.2) as sender:
         payload = staged(sender, kv_cache(), [0, 1])
         sender.send_part(receiver.address, make_part(payload, 0, 0, 4), payload)
-        sender.cancel_stream(receiver.address, "req-1", "prefill-0", "")
+        sender.cancel_stream("req-1")
         wait_idle(sender)
         assert sender.stats()["parts_sent"] == 1
 
