@@ -9,6 +9,7 @@ every stage's start and end on one clock (CLOCK_MONOTONIC, shared by the process
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -29,7 +30,8 @@ class Interval:
 
 class StageTimeline:
     """Per stage: busy seconds since `since`, and the recent intervals (for the last minute and
-    the Gantt chart)."""
+    the Gantt chart). The engine thread records; a worker's health thread reads (/info), so each
+    reader works on a copy taken under the lock that `record` holds."""
 
     def __init__(self, num_stages: int, since: float | None = None, clock=time.monotonic) -> None:
         self.num_stages = num_stages
@@ -38,6 +40,7 @@ class StageTimeline:
         self._since = since
         self.busy = [0.0] * num_stages
         self.recent: deque[Interval] = deque(maxlen=MAX_INTERVALS)
+        self._lock = threading.Lock()
 
     @property
     def since(self) -> float:
@@ -46,10 +49,16 @@ class StageTimeline:
     def record(self, interval: Interval) -> None:
         if not 0 <= interval.stage < self.num_stages or interval.end < interval.start:
             raise ValueError(f"bad interval {interval}")
-        if self._since is None:
-            self._since = interval.start
-        self.busy[interval.stage] += interval.end - interval.start
-        self.recent.append(interval)
+        with self._lock:
+            if self._since is None:
+                self._since = interval.start
+            self.busy[interval.stage] += interval.end - interval.start
+            self.recent.append(interval)
+
+    def intervals(self) -> list[Interval]:
+        """A copy of the recent intervals, safe to walk while the engine records."""
+        with self._lock:
+            return list(self.recent)
 
     def idle(self, now: float | None = None) -> list[float]:
         """Idle seconds of each stage since the timeline began."""
@@ -69,7 +78,7 @@ class StageTimeline:
         """idle / wall per stage over [start, end], from the recent intervals (a benchmark's run)."""
         wall = end - start
         busy = [0.0] * self.num_stages
-        for iv in self.recent:
+        for iv in self.intervals():
             overlap = min(iv.end, end) - max(iv.start, start)
             if overlap > 0:
                 busy[iv.stage] += overlap
@@ -98,7 +107,7 @@ class StageTimeline:
 
     def window(self, start: float, end: float) -> list[Interval]:
         """The intervals that overlap [start, end] (what a timeline picture draws)."""
-        return [iv for iv in self.recent if iv.end > start and iv.start < end]
+        return [iv for iv in self.intervals() if iv.end > start and iv.start < end]
 
     def describe(self, now: float | None = None) -> dict:
         """What a worker's /info says of its stages."""

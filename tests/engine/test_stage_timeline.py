@@ -3,6 +3,8 @@ gaps are known."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from pdserve.engine.stage_timeline import Interval, StageTimeline
@@ -48,3 +50,29 @@ def test_the_wall_starts_at_the_first_micro_batch():
     t.record(Interval(0, 1, 104.0, 105.0))
     now[0] = 106.0
     assert t.idle() == [1.0, 2.0] and t.bubble_fraction() == [0.5, 1.0]
+
+
+def test_describe_from_another_thread_while_the_engine_records():
+    """/info reads the timeline on the health thread while the engine thread records into it:
+    a read must never see the deque change under it (it once answered /info with a 500)."""
+    t = StageTimeline(2, since=0.0, clock=lambda: 1e6)
+    for k in range(20_000):
+        t.record(Interval(k % 2, k, float(k), k + 0.5))
+    stop = threading.Event()
+
+    def engine() -> None:
+        k = 20_000
+        while not stop.is_set():
+            t.record(Interval(k % 2, k, float(k), k + 0.5))
+            k += 1
+
+    writer = threading.Thread(target=engine)
+    writer.start()
+    try:
+        for _ in range(30):
+            info = t.describe()
+            assert info["stages"] == 2 and len(info["bubble_fraction_in_flight_last_minute"]) == 2
+            assert len(t.window(0.0, 1e9)) >= 20_000
+    finally:
+        stop.set()
+        writer.join()

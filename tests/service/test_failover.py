@@ -106,18 +106,29 @@ def test_kill_9_of_a_prefill_worker_with_4_long_prefills_and_6_short_requests_qu
     cases = [(p, 64) for p in longs] + [(p, 32) for p in shorts]
     with ThreadPoolExecutor(10) as pool:
         reference = list(pool.map(lambda c: complete(up, *c), cases))
-    # prefill-0 stops where it is (looking alive until its heartbeats are missed), is given its
-    # share of the 10 requests, and is killed with them queued: the router must move them.
-    routed = len(up.routes())
-    up.signal("prefill-0", signal.SIGSTOP)
+    # Both prefill workers stop where they are (looking alive until their heartbeats are missed)
+    # and are given the 10 requests; the one given the most is killed with its share queued, the
+    # other resumes: the router must move the victim's requests to it. Stopping both pins the
+    # victim's share whichever way the router's prefix-aware choice splits the 10 (stopping one
+    # alone left it none when the reference run had cached every prompt on the other).
+    before = set(up.routes())
+    stopped = {name: up.signal(name, signal.SIGSTOP) for name in ("prefill-0", "prefill-1")}
     streams = [Stream(up, p, n) for p, n in cases]
-    with ThreadPoolExecutor(10) as pool:
-        futures = [pool.submit(s.run) for s in streams]
-        wait_for(lambda: len(up.routes()) >= routed + 10, 30, "the requests were not routed", up)
-        up.signal("prefill-0", signal.SIGKILL)
-        done = [f.result(timeout=240) for f in futures]
-    on_victim = [s for s in done if up.routes()[s.id + "-0"][0] == "prefill-0"]
-    assert on_victim, "no request was routed to the killed prefill worker"
+    try:
+        with ThreadPoolExecutor(10) as pool:
+            futures = [pool.submit(s.run) for s in streams]
+            wait_for(lambda: len(set(up.routes()) - before) >= 10, 30, "the requests were not routed", up)
+            first = [route[0] for rid, route in up.routes().items() if rid not in before]
+            victim = max(stopped, key=first.count)
+            survivor = next(name for name in stopped if name != victim)
+            os.kill(stopped.pop(victim), signal.SIGKILL)
+            os.kill(stopped.pop(survivor), signal.SIGCONT)
+            done = [f.result(timeout=240) for f in futures]
+    finally:
+        for pid in stopped.values():
+            os.kill(pid, signal.SIGCONT)  # a worker left stopped by a failure above
+    on_victim = [s for s in done if up.routes()[s.id + "-0"][0] == victim]
+    assert len(on_victim) >= 5, first
     for s, ref in zip(done, reference, strict=True):
         assert s.errors == [] and s.text == ref
         assert len(s.usages) == 1 and s.usages[0]["completion_tokens"] == s.max_tokens
