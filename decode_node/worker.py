@@ -47,6 +47,7 @@ class DecodeWorker(Worker):
         loaded = loaded or load_model(config.model, single_use=True, keep=stage_weights(config, 0))  # this process builds one engine
         connector = DecodeConnector()
         engine = Engine(config, loaded, KVConnector(connector, connector))
+        connector.early_load = engine.pipeline is None  # stages own their layers' blocks
         return cls(options, engine, model_fingerprint(config, loaded), connector)
 
     def __init__(self, options: WorkerOptions, engine: Engine, fingerprint: ModelFingerprint,
@@ -80,11 +81,16 @@ class DecodeWorker(Worker):
         self.engine.abort(request_ids)  # the connector NACKs a transfer its request had not loaded
         for rid in request_ids:
             self.handoff_timings.pop(rid, None)
+            self.kv_in.drop_set_aside(rid)
             self.receiver.drop_stream(rid)  # parts that came before the abort: nothing will end them
         self.aborted.add(request_ids)
         self._send_acks()
 
     def poll_io(self) -> None:
+        for event in self.receiver.poll_parts():  # before the transfers that may end their streams
+            if event.request_id not in self.aborted:
+                self.kv_in.on_part(event, self.engine.pool, self.engine.runner)
+        self.kv_in.expire_set_asides()
         for rkv in self.receiver.poll():
             try:
                 self._arrived(rkv)
@@ -115,6 +121,7 @@ class DecodeWorker(Worker):
         elif not routed:
             self._nack(rid, "request id already in use on this worker")
         elif rid in self.aborted:
+            self.kv_in.drop_set_aside(rid)
             self.receiver.ack(rid, False, "aborted")
         else:
             self._queue(rkv)
@@ -143,12 +150,14 @@ class DecodeWorker(Worker):
         """Refuse a transfer without a word to any router (it is not one of ours to tell)."""
         log.warning("request %s: KV refused: %s", rid, reason)
         self.kv_refused += 1
+        self.kv_in.drop_set_aside(rid)
         self.receiver.ack(rid, False, reason)
 
     def _refuse(self, rkv: ReceivedKV, reason: str) -> None:
         rid = rkv.meta.request_id
         log.warning("request %s: KV refused: %s", rid, reason)
         self.kv_refused += 1
+        self.kv_in.drop_set_aside(rid)
         self.receiver.ack(rid, False, reason)
         self.emit(error_event(rid, f"KV transfer refused: {reason}", retry="kv_failed"))
 
@@ -161,10 +170,13 @@ class DecodeWorker(Worker):
 
     def info(self) -> dict:
         return super().info() | {"kv_refused": self.kv_refused, "kv_waiting": len(self.kv_in.arrived),
-                                 "receiver": self.receiver.stats()}
+                                 "receiver": self.receiver.stats(), "kv_set_aside": len(self.kv_in.set_aside),
+                                 "kv_early": dict(self.kv_in.early)}
 
     def close_io(self) -> None:
         for rid in list(self.kv_in.arrived):
             self.kv_in.give_up(rid, "decode worker shutting down")
+        for rid in list(self.kv_in.set_aside):
+            self.kv_in.drop_set_aside(rid)
         self._send_acks()
         self.receiver.close()

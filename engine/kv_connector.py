@@ -91,6 +91,15 @@ class KVConnectorScheduler(ABC):
         """How many of `req`'s first tokens have KV outside, to load at admission (0: none).
         Never all of its tokens: the last one is computed here so that it samples."""
 
+    def num_set_aside(self, req: Request) -> int:
+        """Blocks the connector already holds for `req`'s external tokens, their KV partly
+        copied in (streamed parts): admission adopts them rather than allocating as many."""
+        return 0
+
+    def adopt_blocks(self, req: Request) -> list[int]:
+        """Hand the `num_set_aside(req)` blocks over to `req` (they become its first blocks)."""
+        return []
+
     @abstractmethod
     def on_allocated(self, req: Request, block_ids: list[int], num_external: int, meta: KVConnectorMetadata) -> None:
         """Admission gave `req` the blocks for its first `num_external` tokens: schedule the load."""

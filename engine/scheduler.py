@@ -307,7 +307,8 @@ class Scheduler:
         if n <= 0:
             return 0
         blocks_total = -(-(computed + n) // self.pool.block_size)
-        new = blocks_total - len(hits) - len(req.block_ids)
+        set_aside = self.connector.num_set_aside(req) if external else 0
+        new = blocks_total - len(hits) - len(req.block_ids) - set_aside
         evictable_hits = sum(1 for b in hits if self.pool.ref_count[b] == 0)
         if new > self.pool.num_available - evictable_hits:
             return 0
@@ -319,6 +320,8 @@ class Scheduler:
                 req.num_committed_blocks = len(hits)
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = computed
+            if set_aside:  # the request's first blocks, some of its KV already in them
+                req.block_ids = self.connector.adopt_blocks(req)
             if new > 0:
                 req.block_ids.extend(self.pool.allocate(new))
             if external:

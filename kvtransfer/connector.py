@@ -26,6 +26,20 @@ step's load copies the payload into them before the model runs:
     expect(ReceivedKV) -> num_external_tokens -> on_allocated -> KVLoad -> load(): write_blocks
     -> result (ACK, or NACK with the reason) for the decode worker to send back
 
+Streamed parts need not wait for admission: as each one arrives (`on_part`, from the
+receiver's `poll_parts`), the connector sets aside blocks for the whole stream and copies the part
+into them, so that at admission only the blocks the transfer itself carries are left to load:
+
+    PartArrived -> on_part(): blocks set aside (pool.allocate), write_blocks
+    ReceivedKV of the same stream -> admission adopts those blocks (adopt_blocks) -> load(): the rest
+    StreamEnded, a transfer of another stream, a refusal, an abort, idleness -> the blocks are freed
+
+The copy is trusted only when the transfer that ends the stream names the same stream number:
+the prefill worker holds every part until that transfer's ACK or lease expiry, so a part copied
+before the transfer arrived was read while its sender still held it. Blocks are set aside only
+while a quarter of the cache stays available and at most half of it is set aside; otherwise the
+parts load at admission as before.
+
 A decode worker never computes a prompt. When it runs out of blocks and pre-empts a request, the
 connector offloads that request's computed KV to host memory before the step reuses its blocks,
 and loads it back when the request is admitted again (the same path as a transfer).
@@ -36,7 +50,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -44,6 +58,7 @@ from typing import NamedTuple
 import msgspec
 import torch
 
+from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache import KVPayloadError
 from pdserve.engine.kv_connector import (
     BlockStore,
@@ -57,8 +72,8 @@ from pdserve.engine.kv_connector import (
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.kvtransfer.payload import blocks_shape
 from pdserve.kvtransfer.tensors import ALLOWED_DTYPES, describe
-from pdserve.kvtransfer.transport import KVSender, ReceivedKV, make_sender
-from pdserve.kvtransfer.transport.tcp import PAYLOAD_FRAME_BYTES
+from pdserve.kvtransfer.transport import KVSender, PartArrived, ReceivedKV, StreamEnded, make_sender
+from pdserve.kvtransfer.transport.tcp import PAYLOAD_FRAME_BYTES, STREAM_IDLE_S
 from pdserve.protocol.auth import FrameAuth
 from pdserve.protocol.messages import HandoffTiming, KVPart, KVTransfer, ModelFingerprint
 from pdserve.protocol.sampling import SamplingParams
@@ -324,10 +339,25 @@ class PrefillConnector(KVConnectorScheduler, KVConnectorWorker):
         return self._senders[kind]
 
 
-class DecodeConnector(KVConnectorScheduler, KVConnectorWorker):
-    """Keeps arrived transfers until their requests are admitted, then loads them."""
+@dataclass(slots=True)
+class _SetAside:
+    """Blocks a decode worker set aside for a stream's KV before its request was admitted."""
 
-    def __init__(self) -> None:
+    stream: int
+    block_ids: list[int]
+    loaded: dict[int, int]  # first block -> blocks, of the parts copied in
+    last_at: float  # time.monotonic() of its last part
+
+
+SET_ASIDE_IDLE_S = STREAM_IDLE_S + 30.0  # a set-aside with no news that long is freed (lost events)
+_ENDED_STREAMS = 4096  # stream numbers remembered as ended, so that a late part event sets nothing aside
+
+
+class DecodeConnector(KVConnectorScheduler, KVConnectorWorker):
+    """Keeps arrived transfers until their requests are admitted, then loads them; copies
+    streamed parts into blocks set aside for them as they arrive (module docstring)."""
+
+    def __init__(self, early_load: bool = True) -> None:
         self.arrived: dict[str, ReceivedKV] = {}  # verified, its request waiting for blocks
         self.offloaded: dict[str, tuple[torch.Tensor, int]] = {}  # pre-empted: (KV copy, tokens)
         self.bytes_received = 0
@@ -335,15 +365,96 @@ class DecodeConnector(KVConnectorScheduler, KVConnectorWorker):
         self._results: list[HandoffResult] = []
         # Loaded transfers' hand-off timings, until the worker sends the request's first token.
         self.timings: dict[str, HandoffTiming] = {}
+        # Streamed parts copied in before admission (off for a pipelined engine: its stages own
+        # their layers' blocks, written at a step's launch).
+        self.early_load = early_load
+        self.set_aside: dict[str, _SetAside] = {}
+        self._pool: BlockPool | None = None  # the engine's, known from the first part
+        self._ended: OrderedDict[int, None] = OrderedDict()
+        self._preloaded: dict[str, dict[int, int]] = {}  # adopted at admission: parts not to load again
+        # Parts copied in as they arrived, and their bytes; of those, parts the load then skipped
+        # (adopted); streams refused a set-aside for want of room.
+        self.early = {"parts": 0, "bytes": 0, "adopted": 0, "no_room": 0}
 
     # --- the decode worker's side ------------------------------------------------------------
     def expect(self, rkv: ReceivedKV) -> None:
-        self.arrived[rkv.meta.request_id] = rkv
+        rid = rkv.meta.request_id
+        self.arrived[rid] = rkv
+        self._end_stream(rkv.stream)
+        aside = self.set_aside.get(rid)
+        if aside is not None and aside.stream != rkv.stream:
+            self.drop_set_aside(rid)
 
     def give_up(self, request_id: str, reason: str) -> None:
         """Refuse an arrived transfer that was not loaded (NACK with `reason`)."""
+        self.drop_set_aside(request_id)
         if self.arrived.pop(request_id, None) is not None:
             self._results.append(HandoffResult(request_id, False, reason))
+
+    def on_part(self, event: PartArrived | StreamEnded, pool: BlockPool, runner: BlockStore) -> None:
+        """A receiver's part event (engine thread, between steps): copy a part into the blocks
+        set aside for its stream, setting them aside at its first part; free them when the
+        stream ended without a transfer."""
+        rid = event.request_id
+        aside = self.set_aside.get(rid)
+        if isinstance(event, StreamEnded):
+            self._end_stream(event.stream)
+            if aside is not None and aside.stream == event.stream:
+                self.drop_set_aside(rid, pool)
+            return
+        if not self.early_load or rid in self.arrived or event.stream in self._ended:
+            return  # its transfer came first (the load will copy this part), or the stream is over
+        if aside is not None and aside.stream != event.stream:
+            self.drop_set_aside(rid, pool)  # the request's KV comes again, from part 0
+            aside = None
+        if aside is None:
+            n = event.total_blocks
+            reserved = sum(len(a.block_ids) for a in self.set_aside.values())
+            if event.first_block != 0:
+                return  # the stream's first part was not seen: its parts load at admission
+            if pool.num_available - n < pool.num_blocks // 4 or reserved + n > pool.num_blocks // 2:
+                self.early["no_room"] += 1
+                return
+            aside = self.set_aside[rid] = _SetAside(event.stream, pool.allocate(n), {}, time.monotonic())
+            self._pool = pool
+        first, count = event.first_block, event.view.shape[2]
+        if first + count > len(aside.block_ids):
+            self.drop_set_aside(rid, pool)
+            return
+        try:
+            runner.write_blocks(aside.block_ids[first : first + count], event.view)
+        except (KVPayloadError, RuntimeError) as exc:
+            log.warning("request %s: early copy of blocks %d.. failed (%s); it loads at admission", rid, first, exc)
+            self.drop_set_aside(rid, pool)
+            return
+        aside.loaded[first] = count
+        aside.last_at = time.monotonic()
+        self.early["parts"] += 1
+        self.early["bytes"] += event.view.numel() * event.view.element_size()
+
+    def drop_set_aside(self, request_id: str, pool: BlockPool | None = None) -> None:
+        """Free the blocks set aside for the request's stream, if any."""
+        aside = self.set_aside.pop(request_id, None)
+        if aside is not None:
+            pool = pool or self._pool
+            assert pool is not None  # a set-aside exists only once on_part has seen the pool
+            pool.free(aside.block_ids)
+
+    def expire_set_asides(self, now: float | None = None) -> list[str]:
+        """Free set-asides whose stream has had no news for SET_ASIDE_IDLE_S (its StreamEnded
+        event was lost) and whose transfer has not arrived."""
+        now = time.monotonic() if now is None else now
+        stale = [rid for rid, a in self.set_aside.items()
+                 if rid not in self.arrived and now - a.last_at > SET_ASIDE_IDLE_S]
+        for rid in stale:
+            self.drop_set_aside(rid)
+        return stale
+
+    def _end_stream(self, stream: int) -> None:
+        if stream:
+            self._ended[stream] = None
+            while len(self._ended) > _ENDED_STREAMS:
+                self._ended.popitem(last=False)
 
     def expired(self) -> list[str]:
         """Arrived transfers whose sender's lease ran out before their request was admitted."""
@@ -363,10 +474,27 @@ class DecodeConnector(KVConnectorScheduler, KVConnectorWorker):
         kept = self.offloaded.get(req.request_id)
         return kept[1] if kept is not None else 0
 
+    def num_set_aside(self, req: Request) -> int:
+        aside = self.set_aside.get(req.request_id)
+        rkv = self.arrived.get(req.request_id)
+        if aside is None or rkv is None or aside.stream != rkv.stream or self._pool is None:
+            return 0
+        fits = len(aside.block_ids) == -(-rkv.meta.num_computed_tokens // self._pool.block_size)
+        return len(aside.block_ids) if fits else 0
+
+    def adopt_blocks(self, req: Request) -> list[int]:
+        if not self.num_set_aside(req):
+            return []
+        aside = self.set_aside.pop(req.request_id)
+        self._preloaded[req.request_id] = aside.loaded
+        return aside.block_ids
+
     def on_allocated(self, req: Request, block_ids: list[int], num_external: int, meta: KVConnectorMetadata) -> None:
+        self.drop_set_aside(req.request_id)  # one admission did not adopt (its size did not fit)
         meta.loads.append(KVLoad(req.request_id, block_ids, num_external))
 
     def request_finished(self, req: Request, meta: KVConnectorMetadata) -> bool:
+        self._preloaded.pop(req.request_id, None)
         self.give_up(req.request_id, "aborted" if req.status is RequestStatus.FINISHED_ABORTED else req.status.value)
         self.offloaded.pop(req.request_id, None)
         if req.status is RequestStatus.FINISHED_ABORTED:
@@ -374,6 +502,7 @@ class DecodeConnector(KVConnectorScheduler, KVConnectorWorker):
         return False
 
     def request_preempted(self, req: Request, meta: KVConnectorMetadata) -> bool:
+        self._preloaded.pop(req.request_id, None)  # the adopted blocks go with its others
         if req.request_id in self.arrived:
             return True  # its transfer was never loaded: it is still here to load
         n = req.num_computed_tokens
@@ -403,6 +532,7 @@ class DecodeConnector(KVConnectorScheduler, KVConnectorWorker):
                 continue
             rkv = self.arrived.pop(load.request_id, None)
             pieces = rkv.pieces() if rkv is not None else []
+            preloaded = self._preloaded.pop(load.request_id, {})
             if rkv is None or not pieces:
                 failures[load.request_id] = "KV transfer is gone"
                 continue
@@ -410,7 +540,10 @@ class DecodeConnector(KVConnectorScheduler, KVConnectorWorker):
                 try:
                     _check_tiling(pieces, len(load.block_ids))
                     for first, part in pieces:  # streamed parts, then the transfer's own blocks
-                        runner.write_blocks(load.block_ids[first : first + part.shape[2]], part)
+                        if preloaded.get(first) == part.shape[2]:  # copied in as it arrived
+                            self.early["adopted"] += 1
+                        else:
+                            runner.write_blocks(load.block_ids[first : first + part.shape[2]], part)
                 except (KVPayloadError, RuntimeError) as exc:
                     failures[load.request_id] = f"KV transfer refused: {exc}"
                     self._results.append(HandoffResult(load.request_id, False, str(exc)))

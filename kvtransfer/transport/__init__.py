@@ -10,7 +10,9 @@ import torch
 from pdserve.kvtransfer.transport.base import (
     KVReceiver,
     KVSender,
+    PartArrived,
     ReceivedKV,
+    StreamEnded,
     TransportError,
     TransportUnavailable,
 )
@@ -55,7 +57,9 @@ __all__ = [
     "KINDS",
     "KVReceiver",
     "KVSender",
+    "PartArrived",
     "ReceivedKV",
+    "StreamEnded",
     "TransportError",
     "TransportUnavailable",
     "available_kinds",

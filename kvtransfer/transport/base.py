@@ -62,6 +62,7 @@ class ReceivedKV:
     parts: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     arrived_at: float = 0.0
     verified_at: float = 0.0
+    stream: int = 0  # the receiver's number of the stream whose `parts` these are (0: none)
 
     def pieces(self) -> list[tuple[int, torch.Tensor]]:
         """Every block range of the transfer, in order: (first block, [L, 2, blocks, ...] view)."""
@@ -80,6 +81,30 @@ class ReceivedKV:
     def within_lease(self, now: float | None = None) -> bool:
         deadline = self.meta.lease_deadline
         return deadline == 0.0 or (time.time() if now is None else now) < deadline
+
+
+@dataclass(frozen=True, slots=True)
+class PartArrived:
+    """A streamed part verified on arrival (`KVReceiver.poll_parts`): blocks [first_block,
+    first_block + view.shape[2]) of the `total_blocks` of stream number `stream` (unique per
+    receiver). `view` is valid while the stream is open; the decode worker may copy it into
+    blocks it set aside, and trust that copy only if the transfer that ends the stream says the
+    same `stream` (ReceivedKV.stream): the sender holds the parts until that transfer's ack."""
+
+    request_id: str
+    stream: int
+    first_block: int
+    total_blocks: int
+    view: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnded:
+    """Stream number `stream` was dropped without a transfer ending it (cancelled, idle, a part
+    refused, replaced by a new stream): blocks set aside for it can go."""
+
+    request_id: str
+    stream: int
 
 
 class KVSender(ABC):
@@ -143,6 +168,11 @@ class KVReceiver(ABC):
     def drop_stream(self, request_id: str) -> None:
         """Drop the parts of the request's stream that has not ended yet (the request was aborted
         or sent elsewhere); non-blocking. A transfer that ends it later is NACKed."""
+
+    def poll_parts(self) -> list[PartArrived | StreamEnded]:
+        """Streamed parts verified, and streams dropped, since the last call (in order); never
+        blocks. Advisory: a full queue drops events, and `poll` still hands out every part."""
+        return []
 
     @abstractmethod
     def stats(self) -> dict[str, int]: ...

@@ -60,7 +60,9 @@ from pdserve.kvtransfer.transport.base import (
     IOLoop,
     KVReceiver,
     KVSender,
+    PartArrived,
     ReceivedKV,
+    StreamEnded,
     TransportError,
     drain,
 )
@@ -87,6 +89,7 @@ IDLE_SOCKET_S = 60.0  # a sender's DEALER to a decode address with no traffic th
 MAX_PEER_SOCKETS = 256  # DEALERs one sender keeps open (the least recently used idle one goes)
 PAYLOAD_FRAME_BYTES = 16 << 20  # a tcp payload travels in frames of at most this
 MAX_STREAMS = 1024  # incoming streams a receiver assembles at once: a part of one more is dropped
+MAX_PART_EVENTS = 4096  # part / stream-end events the engine has not polled: more are not queued
 STREAM_IDLE_S = 300.0  # a stream with no part that long, and no transfer ending it, is dropped
 MAX_FRAME_BYTES = PAYLOAD_FRAME_BYTES + (16 << 20)  # a receiver's MAXMSGSIZE: a payload frame or a header
 
@@ -126,6 +129,7 @@ class _Assembly:
     sender: str  # prefill_worker_id
     total_blocks: int
     last_at: float  # time.monotonic() of its last part
+    stream: int  # this receiver's number for it, unique: PartArrived / ReceivedKV.stream
     parts: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     releases: list = field(default_factory=list)
     next_seq: int = 0
@@ -519,6 +523,8 @@ class ZmqKVReceiver(KVReceiver):
         self._assemblies: dict[str, _Assembly] = {}
         self._max_stream_bytes = max_stream_bytes
         self._stream_bytes = 0
+        self._streams_opened = 0
+        self._part_events: queue.Queue[PartArrived | StreamEnded] = queue.Queue(MAX_PART_EVENTS)
         self._loop = IOLoop(name, tick=self._tick)
         try:
             self.address: str = self._loop.call(lambda: self._bind(address))  # type: ignore[assignment]
@@ -530,6 +536,9 @@ class ZmqKVReceiver(KVReceiver):
 
     def poll(self, timeout: float = 0.0) -> list[ReceivedKV]:
         return drain(self._ready, timeout)
+
+    def poll_parts(self) -> list[PartArrived | StreamEnded]:
+        return drain(self._part_events, 0.0)
 
     def ack(self, request_id: str, ok: bool, reason: str = "") -> None:
         with self._held_lock:
@@ -666,6 +675,7 @@ class ZmqKVReceiver(KVReceiver):
             self._stream_bytes -= asm.nbytes
             if msg.parts == 0:  # sent whole: a stream of the request left half-way is void
                 asm.release()
+                self._event(StreamEnded(rid, asm.stream))
                 asm = None
         payload, release, reason = None, None, None
         try:
@@ -684,15 +694,18 @@ class ZmqKVReceiver(KVReceiver):
                     release()
             if asm is not None:
                 asm.release()
+                self._event(StreamEnded(rid, asm.stream))
             self._send_ack(KVAck(request_id=rid, ok=False, reason=f"receive failed: {type(exc).__name__}: {exc}"))
             return
         streamed: list[tuple[int, torch.Tensor]] = []
+        stream = 0
         if asm is not None:
             if reason is None:
-                streamed = list(asm.parts)
+                streamed, stream = list(asm.parts), asm.stream
                 release = self._releasing(asm, release)
             else:
                 asm.release()
+                self._event(StreamEnded(rid, asm.stream))
         ok = reason is None
         if ok:
             self._loop.counters["received"] += 1
@@ -701,7 +714,7 @@ class ZmqKVReceiver(KVReceiver):
             self._loop.counters["rejected"] += 1
             log.warning("request %s: KV refused: %s", rid, reason)
         rkv = ReceivedKV(msg, payload if ok else None, ok, reason or "", release,  # type: ignore[arg-type]
-                         streamed, arrived_at, time.time())
+                         streamed, arrived_at, time.time(), stream)
         if not ok:
             rkv.release()
         with self._held_lock:
@@ -758,7 +771,9 @@ class ZmqKVReceiver(KVReceiver):
             if len(self._assemblies) >= MAX_STREAMS:
                 self._loop.counters["streams_refused"] += 1
                 return self._drop(f"request {rid}: {MAX_STREAMS} KV streams already open")
-            asm = self._assemblies[rid] = _Assembly(part.prefill_worker_id, part.total_blocks, time.monotonic())
+            self._streams_opened += 1
+            asm = self._assemblies[rid] = _Assembly(part.prefill_worker_id, part.total_blocks, time.monotonic(),
+                                                    self._streams_opened)
         asm.last_at = time.monotonic()
         if asm.failed:
             return
@@ -785,7 +800,7 @@ class ZmqKVReceiver(KVReceiver):
                 release()
             self._loop.counters["parts_rejected"] += 1
             log.warning("request %s: KV part %d refused: %s", rid, part.seq, reason)
-            self._fail_assembly(asm, f"streamed part {part.seq} refused: {reason}")
+            self._fail_assembly(rid, asm, f"streamed part {part.seq} refused: {reason}")
             return
         assert view is not None
         asm.parts.append((part.first_block, view))
@@ -797,19 +812,30 @@ class ZmqKVReceiver(KVReceiver):
         self._stream_bytes += part.tensor.nbytes
         self._loop.counters["parts_received"] += 1
         self._loop.counters["bytes_received"] += part.tensor.nbytes
+        self._event(PartArrived(rid, asm.stream, part.first_block, asm.total_blocks, view))
 
-    def _fail_assembly(self, asm: _Assembly, why: str) -> None:
+    def _fail_assembly(self, rid: str, asm: _Assembly, why: str) -> None:
         """Keep the stream's failure (its transfer is NACKed with it), not its parts."""
         asm.failed = why
         self._stream_bytes -= asm.nbytes
         asm.nbytes = 0
         asm.release()
+        self._event(StreamEnded(rid, asm.stream))
 
     def _drop_assembly(self, rid: str) -> None:
         asm = self._assemblies.pop(rid, None)
         if asm is not None:
             self._stream_bytes -= asm.nbytes
             asm.release()
+            self._event(StreamEnded(rid, asm.stream))
+
+    def _event(self, event: PartArrived | StreamEnded) -> None:
+        """Tell the engine (advisory: with the queue full the event is lost, and the engine's
+        sweep frees what a lost StreamEnded would have)."""
+        try:
+            self._part_events.put_nowait(event)
+        except queue.Full:
+            self._loop.counters["part_events_dropped"] += 1
 
     def _tick(self, now: float) -> float | None:
         for rid, asm in list(self._assemblies.items()):

@@ -32,7 +32,7 @@ class Pair:
         self.out_conn = PrefillConnector(fp, "prefill-test", context_length(cfg, loaded.config), lease_s=10.0)
         self.prefill = Engine(replace(cfg, policy=CHUNKED, pipeline_parallel_size=prefill_stages), loaded,
                               KVConnector(self.out_conn, self.out_conn))
-        self.in_conn = DecodeConnector()
+        self.in_conn = DecodeConnector(early_load=decode_stages == 1)
         self.decode = Engine(replace(cfg, policy=DECODE_ONLY, num_kv_blocks=decode_blocks or cfg.num_kv_blocks,
                                      pipeline_parallel_size=decode_stages),
                              loaded, KVConnector(self.in_conn, self.in_conn))
@@ -57,6 +57,8 @@ class Pair:
             self._record(outs)
             self.prefill.save_kv()
         self.nacks += [r for r in self.out_conn.poll_acks() if not r.ok]
+        for event in self.receiver.poll_parts():  # as the decode worker's poll_io does
+            self.in_conn.on_part(event, self.decode.pool, self.decode.runner)
         for rkv in self.receiver.poll(timeout=0.01):
             (admit or self.admit)(rkv)
         if self.decode.has_unfinished():

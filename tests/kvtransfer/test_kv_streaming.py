@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -106,6 +107,11 @@ def test_a_streamed_handoff_loads_the_same_bits_as_a_whole_one_and_decodes_like_
             parts = pair.receiver.stats().get("parts_received", 0)
             # 45, 58 and 71 tokens: 12 to 18 blocks each, in chunks of 16 tokens shared by three prompts.
             assert (parts >= 3 * len(PROMPTS)) if per_part == 3 else parts == 0, (way, parts)
+            # Streamed parts were copied into blocks set aside as they arrived, and the load at
+            # admission skipped exactly those; at the end in parts they arrive with the transfer.
+            early = pair.in_conn.early
+            assert early["adopted"] == early["parts"] and (early["parts"] >= len(PROMPTS) if streaming else True), early
+            assert not pair.in_conn.set_aside
             caches[way] = seen
             assert_nothing_held(pair)
         finally:
@@ -224,5 +230,56 @@ def test_an_abort_mid_stream_frees_everything_on_both_sides(tiny, kind):
         time.sleep(0.4)  # the sender keeps cancelled parts one lease: the receiver may still read them
         assert_nothing_held(pair)
         assert pair.decode.counters.decode_tokens == 0
+    finally:
+        pair.close()
+
+
+def test_parts_load_at_admission_when_the_cache_has_no_room_to_set_them_aside(tiny, colocated):
+    """A decode cache of 24 blocks cannot set 12-18 aside (at most half of it): the parts wait
+    for admission and load then, with the same tokens."""
+    pair = Pair(tiny, CFG, "shm", decode_blocks=24)
+    pair.out_conn._blocks_per_part = 3
+    try:
+        pair.submit("r2", PROMPTS[2], GREEDY)
+        pair.run()
+        assert pair.tokens["r2"] == colocated[2] and not pair.nacks
+        assert pair.in_conn.early["no_room"] == 1 and pair.in_conn.early["parts"] == 0
+        assert_nothing_held(pair)
+    finally:
+        pair.close()
+
+
+def test_a_set_aside_goes_when_its_stream_ends_another_way(tiny):
+    """Blocks set aside for stream 1 are freed by a transfer of another stream, by stream 1's
+    end event, or by the sweep once that event is lost; never handed to the request."""
+    from pdserve.kvtransfer.connector import SET_ASIDE_IDLE_S, DecodeConnector
+    from pdserve.kvtransfer.transport import PartArrived, StreamEnded
+
+    pair = Pair(tiny, CFG, "tcp")
+    pool, runner = pair.decode.pool, pair.decode.runner
+    part = runner.read_blocks([0, 1, 2]).clone()  # any bytes of the right shape
+    try:
+        conn = DecodeConnector()
+        conn.on_part(PartArrived("r", 1, 0, 10, part), pool, runner)
+        assert len(conn.set_aside["r"].block_ids) == 10 and pool.num_used == 10
+        conn.on_part(PartArrived("r", 2, 0, 10, part), pool, runner)  # the request's KV comes again
+        assert conn.set_aside["r"].stream == 2 and pool.num_used == 10
+        conn.on_part(StreamEnded("r", 1), pool, runner)  # the old stream's end: not this one
+        assert pool.num_used == 10
+        conn.on_part(StreamEnded("r", 2), pool, runner)
+        assert not conn.set_aside and pool.num_used == 0
+        conn.on_part(PartArrived("r", 2, 3, 10, part), pool, runner)  # late: its stream has ended
+        conn.on_part(PartArrived("s", 3, 3, 10, part), pool, runner)  # not from the first part
+        assert not conn.set_aside and pool.num_used == 0
+        conn.on_part(PartArrived("t", 4, 0, 10, part), pool, runner)
+        assert conn.expire_set_asides(time.monotonic() + SET_ASIDE_IDLE_S - 5) == []
+        assert conn.expire_set_asides(time.monotonic() + SET_ASIDE_IDLE_S + 5) == ["t"]
+        assert not conn.set_aside and pool.num_used == 0
+        conn.on_part(PartArrived("u", 5, 0, 10, part), pool, runner)
+        conn.expect(ReceivedKV(SimpleNamespace(request_id="u"), None, True, stream=6))  # type: ignore[arg-type]
+        assert not conn.set_aside and pool.num_used == 0  # the transfer ends another stream
+        conn.on_part(PartArrived("u", 5, 3, 10, part), pool, runner)  # a part of the ended stream
+        assert not conn.set_aside and pool.num_used == 0
+        pool.check_integrity()
     finally:
         pair.close()

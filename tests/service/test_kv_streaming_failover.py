@@ -1,6 +1,7 @@
 """KV streamed while the prompt is prefilled, cut by a kill -9 of the prefill worker half-way: the
 request finishes through the other prefill worker with the text an undisturbed run gives, and the
-decode worker holds no part of the dead stream (its abort dropped it), no transfer and no block;
+decode worker holds no part of the dead stream (its abort dropped it), no transfer and no block,
+set aside for the parts copied in early or otherwise;
 the dead worker's shm segments go when it is started again."""
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def test_a_stream_cut_by_a_dead_prefill_worker_is_retried_and_leaves_nothing_beh
     complete(cluster, prompt(0))
     parts = receiver(cluster).get("parts_received", 0)
     assert parts >= 3, "the prompt's KV should have been streamed in parts"
+    early = cluster.info("decode-0")["kv_early"]  # copied in as they came; the load skipped them
+    assert early["parts"] >= 2 and early["adopted"] == early["parts"], early
 
     with ThreadPoolExecutor(1) as pool:
         retried = pool.submit(complete, cluster, prompt(1))
@@ -64,7 +67,8 @@ def test_a_stream_cut_by_a_dead_prefill_worker_is_retried_and_leaves_nothing_beh
     assert text == complete(cluster, prompt(1))  # what the survivor gives it undisturbed
 
     deadline = time.monotonic() + 10
-    while receiver(cluster).get("streams_open", 0) or cluster.info("decode-0")["kv_waiting"]:
+    while (receiver(cluster).get("streams_open", 0) or cluster.info("decode-0")["kv_waiting"]
+           or cluster.info("decode-0")["kv_set_aside"] or cluster.info("decode-0")["used_blocks"]):
         assert time.monotonic() < deadline, f"the decode worker still holds the dead stream: {receiver(cluster)}"
         time.sleep(0.05)
     assert cluster.info("decode-0")["running"] == 0
