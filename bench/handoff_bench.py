@@ -52,32 +52,40 @@ def run_mode(model: str, mode: str, args: argparse.Namespace, log_dir: Path) -> 
              "--max-num-batched-tokens", str(args.chunk))
     up = UpProcess(model, log_dir / f"up-{mode}.log", num_prefill=1, num_decode=1, args=extra,
                    kv_cache_gb=args.kv_cache_gb, threads=args.threads).start(timeout=600)
-    rng = random.Random(args.seed)
-    gaps, steps, ttfts = [], [], []
+    moments: list[dict] = []
     try:
-        before = handoff_moments(metrics_page(up.base_url))
-        for i in range(args.requests + 1):  # the first warms both workers up
-            prompt = [rng.randrange(1000, 30000) for _ in range(args.prompt_tokens)]
-            sent = time.perf_counter()
-            times = token_times(up.base_url, up.model(), prompt, args.max_tokens, args.timeout)
-            if len(times) < 3:
-                raise RuntimeError(f"{mode}: request {i} streamed {len(times)} tokens")
-            if i == 0:
-                before = handoff_moments(metrics_page(up.base_url))
-                continue
-            ttfts.append(times[0] - sent)
-            gaps.append(times[1] - times[0])
-            steps += [b - a for a, b in zip(times[1:], times[2:], strict=False)]
-            print(f"  {mode}: request {i}: TTFT {ttfts[-1]:.2f} s, gap {gaps[-1] * 1e3:.1f} ms, "
-                  f"decode step {statistics.median(steps) * 1e3:.1f} ms", flush=True)
-        split = handoff_split(before, handoff_moments(metrics_page(up.base_url)))
+        row = measure(up.base_url, up.model(), mode, args,
+                      after_warmup=lambda: moments.append(handoff_moments(metrics_page(up.base_url))))
+        row["split"] = handoff_split(moments[0], handoff_moments(metrics_page(up.base_url)))
     finally:
         up.stop()
+    return row
+
+
+def measure(base_url: str, model: str, label: str, args: argparse.Namespace,
+            after_warmup=lambda: None) -> dict:
+    """The gap, decode step and TTFT of `args.requests` prompts (after one warm-up) on a server."""
+    rng = random.Random(args.seed)  # the same prompts for every mode and peer
+    gaps, steps, ttfts = [], [], []
+    for i in range(args.requests + 1):  # the first warms the server up
+        prompt = [rng.randrange(1000, 30000) for _ in range(args.prompt_tokens)]
+        sent = time.perf_counter()
+        times = token_times(base_url, model, prompt, args.max_tokens, args.timeout)
+        if len(times) < 3:
+            raise RuntimeError(f"{label}: request {i} streamed {len(times)} tokens")
+        if i == 0:
+            after_warmup()
+            continue
+        ttfts.append(times[0] - sent)
+        gaps.append(times[1] - times[0])
+        steps += [b - a for a, b in zip(times[1:], times[2:], strict=False)]
+        print(f"  {label}: request {i}: TTFT {ttfts[-1]:.2f} s, gap {gaps[-1] * 1e3:.1f} ms, "
+              f"decode step {statistics.median(steps) * 1e3:.1f} ms", flush=True)
     step = statistics.median(steps)
     gap = statistics.median(gaps)
-    return {"mode": mode, "requests": len(gaps), "gap_p50_ms": gap * 1e3, "gap_max_ms": max(gaps) * 1e3,
+    return {"mode": label, "requests": len(gaps), "gap_p50_ms": gap * 1e3, "gap_max_ms": max(gaps) * 1e3,
             "decode_step_p50_ms": step * 1e3, "gap_over_step": gap / step, "ttft_p50_s": statistics.median(ttfts),
-            "gaps_ms": [g * 1e3 for g in gaps], "split": split}
+            "gaps_ms": [g * 1e3 for g in gaps], "split": {}}
 
 
 def table(rows: list[dict]) -> str:
@@ -85,12 +93,18 @@ def table(rows: list[dict]) -> str:
            "load, means (ms) | parts | TTFT p50 (s) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         s = r.get("split") or {}
-        phases = " / ".join(f"{s.get(f'mean_{p}_ms', float('nan')):.1f}" for p in ("wait", "send", "verify", "load"))
+        phases = " / ".join(f"{s[f'mean_{p}_ms']:.1f}" for p in ("wait", "send", "verify", "load")) if s else "-"
+        parts = f"{s['mean_parts']:.1f}" if s else "-"
         out.append(f"| {r['mode']} | {r['gap_p50_ms']:.1f} | {r['gap_over_step']:.2f}x | {r['decode_step_p50_ms']:.1f} "
-                   f"| {phases} | {s.get('mean_parts', float('nan')):.1f} | {r['ttft_p50_s']:.2f} |")
-    if len(rows) == 2:
-        out.append(f"\nThe gap with {rows[0]['mode']} streaming is {rows[1]['gap_p50_ms'] / rows[0]['gap_p50_ms']:.2f}x "
-                   f"shorter than with {rows[1]['mode']}.")
+                   f"| {phases} | {parts} | {r['ttft_p50_s']:.2f} |")
+    ours = [r for r in rows if r.get("split")]
+    if len(ours) == 2:
+        out.append(f"\nThe gap with {ours[0]['mode']} streaming is {ours[1]['gap_p50_ms'] / ours[0]['gap_p50_ms']:.2f}x "
+                   f"shorter than with {ours[1]['mode']}.")
+    for peer in (r for r in rows if not r.get("split")):
+        for r in ours:
+            out.append(f"{r['mode']}: gap {r['gap_p50_ms'] / peer['gap_p50_ms']:.2f}x and TTFT "
+                       f"{r['ttft_p50_s'] / peer['ttft_p50_s']:.2f}x {peer['mode']}'s (colocated, no hand-off).")
     return "\n".join(out)
 
 
@@ -110,12 +124,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--seed", type=int, default=0, help="of the random prompts")
     p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--peer-url", default="",
+                   help="also time the same prompts on this OpenAI-compatible server, already running on the "
+                        "same model (e.g. vLLM with --max-model-len 8192): its first-to-second token time")
+    p.add_argument("--peer-name", default="peer", help="the peer's name in the table")
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdserve-handoff-") as tmp:
         for mode in [m for m in args.modes.split(",") if m]:
             print(f"{mode}: {args.requests} prompts of {args.prompt_tokens} tokens, {args.model}", flush=True)
             rows.append(run_mode(args.model, mode, args, Path(tmp)))
+    if args.peer_url:
+        peer = args.peer_url.rstrip("/")
+        served = httpx.get(f"{peer}/v1/models", timeout=30).json()["data"][0]["id"]
+        print(f"{args.peer_name}: {args.requests} prompts of {args.prompt_tokens} tokens, {served}", flush=True)
+        rows.append(measure(peer, served, args.peer_name, args))
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))

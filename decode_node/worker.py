@@ -59,7 +59,7 @@ class DecodeWorker(Worker):
         self.handoff_timings = connector.timings
         self.receiver: KVReceiver = make_receiver(
             options.kv_transports[0], f"tcp://{options.host}:{options.kv_port}", fingerprint=fingerprint,
-            auth=FrameAuth.from_secret(options.secret), receiver_id=self.worker_id,
+            auth=FrameAuth.from_secret(options.secret), receiver_id=self.worker_id, on_ready=self.wake.set,
         )
         self.aborted = Tombstones()  # aborts that may precede their KV
         self.kv_refused = 0

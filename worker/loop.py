@@ -99,6 +99,9 @@ class Worker(ABC):
         self.handoff_timings: dict[str, HandoffTiming] = {}
         self._log_failure = RateLimitedLog(log, logging.ERROR, per_seconds=10.0)
         self._stop = threading.Event()
+        # Set by an I/O thread that queued something for the loop (a decode worker's KV): an idle
+        # loop waits on it rather than sleeping, so it picks a transfer up as it arrives.
+        self.wake = threading.Event()
         self._draining = False
         self._last_tick = time.monotonic()
         self._load: EngineLoad = engine.load()
@@ -222,7 +225,8 @@ class Worker(ABC):
                 # for a transfer) leave nothing to run: spinning would take the other worker's core.
                 idle = not outputs and not self.engine.last_step_ran
             if idle:
-                time.sleep(idle_sleep(None if empty_since is None else time.monotonic() - empty_since))
+                self.wake.wait(idle_sleep(None if empty_since is None else time.monotonic() - empty_since))
+                self.wake.clear()  # what set it is polled next, at the top of the loop
             self._flush()
             self._tick()
             if self._draining:

@@ -34,6 +34,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -507,8 +508,12 @@ class ZmqKVReceiver(KVReceiver):
         auth: FrameAuth | None = None,
         receiver_id: str = "",
         max_stream_bytes: int = 4 << 30,
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         check_address(address)
+        # Called (I/O thread) once a transfer or a part event is queued: the engine's loop waits
+        # on it when idle, instead of finding the transfer at its next poll.
+        self._on_ready = on_ready
         self.fingerprint = fingerprint
         self.receiver_id = receiver_id  # its worker's id: a transfer naming another is dropped
         self.auth = auth if auth is not None else FrameAuth(None)
@@ -721,6 +726,7 @@ class ZmqKVReceiver(KVReceiver):
             self._held[rid] = rkv
         try:
             self._ready.put_nowait(rkv)
+            self._wake()
         except queue.Full:  # the engine is not polling: refuse now rather than let the lease run out
             with self._held_lock:
                 self._held.pop(rid, None)
@@ -834,8 +840,13 @@ class ZmqKVReceiver(KVReceiver):
         sweep frees what a lost StreamEnded would have)."""
         try:
             self._part_events.put_nowait(event)
+            self._wake()
         except queue.Full:
             self._loop.counters["part_events_dropped"] += 1
+
+    def _wake(self) -> None:
+        if self._on_ready is not None:
+            self._on_ready()
 
     def _tick(self, now: float) -> float | None:
         for rid, asm in list(self._assemblies.items()):

@@ -103,6 +103,23 @@ def test_realistic_payload_arrives_bit_identical_and_the_ack_reaches_the_sender(
         assert [(a.request_id, a.ok) for a in acks] == [("req-1", True)]
 
 
+@pytest.mark.parametrize("kind", CPU_KINDS)
+def test_the_receiver_wakes_its_engine_loop_when_a_transfer_is_queued(kind):
+    """The decode worker's idle loop waits on `on_ready` rather than sleeping: it must be set
+    once the transfer can be polled, not before."""
+    import threading
+
+    woken = threading.Event()
+    with make_receiver(kind, ADDR, fingerprint=SMALL, on_ready=woken.set) as receiver, make_sender(kind) as sender:
+        payload = make_payload(SMALL, 3)
+        assert not woken.is_set()
+        sender.send(receiver.address, make_meta(payload, SMALL), payload)
+        assert woken.wait(WAIT)
+        got = receiver.poll()  # no waiting: it was queued before the wake
+        assert len(got) == 1 and got[0].ok, got
+        receiver.ack("req-1", True)
+
+
 def test_bfloat16_payload_round_trips(pair):
     _, sender, receiver = pair
     fp = msgspec.structs.replace(SMALL, dtype="bfloat16")

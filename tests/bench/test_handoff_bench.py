@@ -1,0 +1,67 @@
+"""bench/handoff_bench.py against a stand-in server: the same prompts go to every mode and peer,
+the warm-up request is left out, and the table sets pdserve's gap beside the peer's."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from pdserve.bench import handoff_bench
+
+
+class _Server(BaseHTTPRequestHandler):
+    prompts: list[list[int]] = []
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self._send(200, [json.dumps({"data": [{"id": "stand-in"}]}).encode()], "application/json")
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).prompts.append(body["prompt"])
+        events = [f"data: {json.dumps({'choices': [{'text': f't{i}'}]})}\n\n".encode()
+                  for i in range(body["max_tokens"])] + [b"data: [DONE]\n\n"]
+        self._send(200, events, "text/event-stream")
+
+    def _send(self, code: int, pieces: list[bytes], kind: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(sum(map(len, pieces))))
+        self.end_headers()
+        for piece in pieces:  # a token every 2 ms: every gap the client times is above zero
+            self.wfile.write(piece)
+            self.wfile.flush()
+            time.sleep(0.002)
+
+
+@pytest.fixture
+def server():
+    _Server.prompts = []
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Server)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def test_a_peer_gets_the_same_prompts_and_the_table_gives_the_ratios(server):
+    args = argparse.Namespace(requests=3, prompt_tokens=20, max_tokens=5, timeout=10.0, seed=7)
+    peer = handoff_bench.measure(server, "stand-in", "vllm", args)
+    again = handoff_bench.measure(server, "stand-in", "vllm", args)
+    assert peer["requests"] == again["requests"] == 3 and peer["gap_p50_ms"] > 1.0 and peer["decode_step_p50_ms"] > 1.0
+    assert len(_Server.prompts) == 8 and _Server.prompts[:4] == _Server.prompts[4:]  # warm-up + 3, twice
+    assert all(len(p) == 20 for p in _Server.prompts)
+
+    split = {"mean_wait_ms": 1.0, "mean_send_ms": 2.0, "mean_verify_ms": 0.5, "mean_load_ms": 3.0, "mean_parts": 8.0}
+    ours = dict(peer, mode="layer", gap_p50_ms=2 * peer["gap_p50_ms"] + 1, ttft_p50_s=peer["ttft_p50_s"] * 0.5,
+                split=split)
+    text = handoff_bench.table([ours, peer])
+    assert "| layer |" in text and "1.0 / 2.0 / 0.5 / 3.0" in text and "| vllm |" in text
+    ratio = ours["gap_p50_ms"] / peer["gap_p50_ms"]
+    assert f"layer: gap {ratio:.2f}x and TTFT 0.50x vllm's" in text
