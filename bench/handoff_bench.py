@@ -16,9 +16,13 @@ model with `python -m pdserve.bench.shapes llama-3.2-1b` (random weights of that
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
+import signal
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -60,6 +64,34 @@ def run_mode(model: str, mode: str, args: argparse.Namespace, log_dir: Path) -> 
     finally:
         up.stop()
     return row
+
+
+def run_peer(args: argparse.Namespace) -> dict:
+    """The same prompts on the peer at --peer-url, started by --peer-cmd (and stopped) if given."""
+    peer = args.peer_url.rstrip("/")
+    proc = subprocess.Popen(args.peer_cmd, shell=True, start_new_session=True,  # noqa: S602 (the user's command)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if args.peer_cmd else None
+    try:
+        deadline = time.monotonic() + args.timeout
+        while True:
+            try:
+                served = httpx.get(f"{peer}/v1/models", timeout=5).json()["data"][0]["id"]
+                break
+            except (httpx.HTTPError, ValueError, KeyError, IndexError):
+                if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
+                    raise RuntimeError(f"{args.peer_name} at {peer} did not come up") from None
+                time.sleep(2)
+        print(f"{args.peer_name}: {args.requests} prompts of {args.prompt_tokens} tokens, {served}", flush=True)
+        return measure(peer, served, args.peer_name, args)
+    finally:
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def measure(base_url: str, model: str, label: str, args: argparse.Namespace,
@@ -125,8 +157,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="of the random prompts")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--peer-url", default="",
-                   help="also time the same prompts on this OpenAI-compatible server, already running on the "
-                        "same model (e.g. vLLM with --max-model-len 8192): its first-to-second token time")
+                   help="also time the same prompts on this OpenAI-compatible server of the same model, after "
+                        "pdserve's runs: its first-to-second token time (colocated, no hand-off)")
+    p.add_argument("--peer-cmd", default="",
+                   help="the shell command that starts that server: run once pdserve's deployments are gone (a "
+                        "2-core, 24 GiB machine holds one at a time), waited for on GET /v1/models, stopped after")
     p.add_argument("--peer-name", default="peer", help="the peer's name in the table")
     args = p.parse_args(argv)
     rows = []
@@ -135,10 +170,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{mode}: {args.requests} prompts of {args.prompt_tokens} tokens, {args.model}", flush=True)
             rows.append(run_mode(args.model, mode, args, Path(tmp)))
     if args.peer_url:
-        peer = args.peer_url.rstrip("/")
-        served = httpx.get(f"{peer}/v1/models", timeout=30).json()["data"][0]["id"]
-        print(f"{args.peer_name}: {args.requests} prompts of {args.prompt_tokens} tokens, {served}", flush=True)
-        rows.append(measure(peer, served, args.peer_name, args))
+        rows.append(run_peer(args))
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 
 from pdserve.bench import handoff_bench
@@ -65,3 +69,24 @@ def test_a_peer_gets_the_same_prompts_and_the_table_gives_the_ratios(server):
     assert "| layer |" in text and "1.0 / 2.0 / 0.5 / 3.0" in text and "| vllm |" in text
     ratio = ours["gap_p50_ms"] / peer["gap_p50_ms"]
     assert f"layer: gap {ratio:.2f}x and TTFT 0.50x vllm's" in text
+
+
+def test_a_peer_started_by_its_command_is_timed_and_stopped_after(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pidfile = tmp_path / "pid"
+    args = argparse.Namespace(requests=2, prompt_tokens=10, max_tokens=4, timeout=60.0, seed=1,
+                              peer_url=f"http://127.0.0.1:{port}", peer_name="stand-in",
+                              peer_cmd=f"echo $$ > {pidfile}; exec {sys.executable} -m tests.bench.test_handoff_bench {port}")
+    row = handoff_bench.run_peer(args)
+    assert row["mode"] == "stand-in" and row["requests"] == 2 and row["gap_p50_ms"] > 1.0
+    pid = int(pidfile.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # stopped (and reaped) once timed
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(args.peer_url + "/v1/models", timeout=2)
+
+
+if __name__ == "__main__":  # the stand-in as a server of its own: --peer-cmd's test
+    ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), _Server).serve_forever()
