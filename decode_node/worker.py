@@ -60,6 +60,7 @@ class DecodeWorker(Worker):
         self.receiver: KVReceiver = make_receiver(
             options.kv_transports[0], f"tcp://{options.host}:{options.kv_port}", fingerprint=fingerprint,
             auth=FrameAuth.from_secret(options.secret), receiver_id=self.worker_id, on_ready=self.wake.set,
+            report_parts=True,
         )
         self.aborted = Tombstones()  # aborts that may precede their KV
         self.kv_refused = 0

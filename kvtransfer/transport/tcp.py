@@ -509,11 +509,17 @@ class ZmqKVReceiver(KVReceiver):
         receiver_id: str = "",
         max_stream_bytes: int = 4 << 30,
         on_ready: Callable[[], None] | None = None,
+        report_parts: bool = False,
     ) -> None:
         check_address(address)
         # Called (I/O thread) once a transfer or a part event is queued: the engine's loop waits
         # on it when idle, instead of finding the transfer at its next poll.
         self._on_ready = on_ready
+        # Part events (poll_parts) only for an engine that polls them: each holds its part's view,
+        # so unpolled events would hold memory. Bounded in count and in the bytes they hold.
+        self._report_parts = report_parts
+        self._event_bytes = 0
+        self._event_lock = threading.Lock()
         self.fingerprint = fingerprint
         self.receiver_id = receiver_id  # its worker's id: a transfer naming another is dropped
         self.auth = auth if auth is not None else FrameAuth(None)
@@ -543,7 +549,12 @@ class ZmqKVReceiver(KVReceiver):
         return drain(self._ready, timeout)
 
     def poll_parts(self) -> list[PartArrived | StreamEnded]:
-        return drain(self._part_events, 0.0)
+        events = drain(self._part_events, 0.0)
+        held = sum(e.view.numel() * e.view.element_size() for e in events if isinstance(e, PartArrived))
+        if held:
+            with self._event_lock:
+                self._event_bytes -= held
+        return events
 
     def ack(self, request_id: str, ok: bool, reason: str = "") -> None:
         with self._held_lock:
@@ -836,13 +847,24 @@ class ZmqKVReceiver(KVReceiver):
             self._event(StreamEnded(rid, asm.stream))
 
     def _event(self, event: PartArrived | StreamEnded) -> None:
-        """Tell the engine (advisory: with the queue full the event is lost, and the engine's
-        sweep frees what a lost StreamEnded would have)."""
+        """Tell the engine, if it asked (advisory: an event past the bounds is lost; the parts
+        then load at admission, and the engine's sweep frees what a lost StreamEnded would have)."""
+        if not self._report_parts:
+            return
+        nbytes = event.view.numel() * event.view.element_size() if isinstance(event, PartArrived) else 0
+        with self._event_lock:
+            if self._event_bytes + nbytes > self._max_stream_bytes:
+                self._loop.counters["part_events_dropped"] += 1
+                return
+            self._event_bytes += nbytes
         try:
             self._part_events.put_nowait(event)
-            self._wake()
         except queue.Full:
+            with self._event_lock:
+                self._event_bytes -= nbytes
             self._loop.counters["part_events_dropped"] += 1
+            return
+        self._wake()
 
     def _wake(self) -> None:
         if self._on_ready is not None:

@@ -36,7 +36,7 @@ class Pair:
         self.decode = Engine(replace(cfg, policy=DECODE_ONLY, num_kv_blocks=decode_blocks or cfg.num_kv_blocks,
                                      pipeline_parallel_size=decode_stages),
                              loaded, KVConnector(self.in_conn, self.in_conn))
-        self.receiver = make_receiver(kind, "tcp://127.0.0.1:0", fingerprint=fp)
+        self.receiver = make_receiver(kind, "tcp://127.0.0.1:0", fingerprint=fp, report_parts=True)
         self.kind = kind
         self.tokens: dict[str, list[int]] = {}
         self.finish: dict[str, str] = {}

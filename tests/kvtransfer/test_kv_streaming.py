@@ -283,3 +283,22 @@ def test_a_set_aside_goes_when_its_stream_ends_another_way(tiny):
         pool.check_integrity()
     finally:
         pair.close()
+
+
+def test_a_receiver_not_asked_for_part_events_queues_none_and_parts_load_at_admission(tiny, colocated):
+    """Each part event holds its part's view: a receiver whose engine does not poll them (a bench,
+    another tool) must not queue any, or unpolled events would hold the parts' memory."""
+    from pdserve.kvtransfer.transport import make_receiver
+
+    pair = make_pair(tiny, "tcp")
+    pair.receiver.close()
+    pair.receiver = make_receiver("tcp", "tcp://127.0.0.1:0", fingerprint=pair.out_conn.fingerprint)
+    try:
+        pair.submit("r2", PROMPTS[2], GREEDY)
+        pair.run()
+        assert pair.tokens["r2"] == colocated[2] and not pair.nacks
+        assert pair.receiver.stats()["parts_received"] >= 3
+        assert pair.receiver.poll_parts() == [] and pair.in_conn.early["parts"] == 0
+        assert_nothing_held(pair)
+    finally:
+        pair.close()
