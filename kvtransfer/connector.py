@@ -396,53 +396,54 @@ class DecodeConnector(KVConnectorScheduler, KVConnectorWorker):
         set aside for its stream, setting them aside at its first part; free them when the
         stream ended without a transfer."""
         rid = event.request_id
+        self._pool = pool
         aside = self.set_aside.get(rid)
         if isinstance(event, StreamEnded):
             self._end_stream(event.stream)
             if aside is not None and aside.stream == event.stream:
-                self.drop_set_aside(rid, pool)
+                self.drop_set_aside(rid)
             return
         if not self.early_load or rid in self.arrived or event.stream in self._ended:
             return  # its transfer came first (the load will copy this part), or the stream is over
         if aside is not None and aside.stream != event.stream:
-            self.drop_set_aside(rid, pool)  # the request's KV comes again, from part 0
+            self.drop_set_aside(rid)  # the request's KV comes again, from part 0
             aside = None
         if aside is None:
-            n = event.total_blocks
-            reserved = sum(len(a.block_ids) for a in self.set_aside.values())
             if event.first_block != 0:
                 return  # the stream's first part was not seen: its parts load at admission
+            n = event.total_blocks
+            reserved = sum(len(a.block_ids) for a in self.set_aside.values())
             if pool.num_available - n < pool.num_blocks // 4 or reserved + n > pool.num_blocks // 2:
                 self.early["no_room"] += 1
                 return
             aside = self.set_aside[rid] = _SetAside(event.stream, pool.allocate(n), {}, time.monotonic())
-            self._pool = pool
         first, count = event.first_block, event.view.shape[2]
         if first + count > len(aside.block_ids):
-            self.drop_set_aside(rid, pool)
+            self.drop_set_aside(rid)
             return
         try:
             runner.write_blocks(aside.block_ids[first : first + count], event.view)
         except (KVPayloadError, RuntimeError) as exc:
             log.warning("request %s: early copy of blocks %d.. failed (%s); it loads at admission", rid, first, exc)
-            self.drop_set_aside(rid, pool)
+            self.drop_set_aside(rid)
             return
         aside.loaded[first] = count
         aside.last_at = time.monotonic()
         self.early["parts"] += 1
         self.early["bytes"] += event.view.numel() * event.view.element_size()
 
-    def drop_set_aside(self, request_id: str, pool: BlockPool | None = None) -> None:
+    def drop_set_aside(self, request_id: str) -> None:
         """Free the blocks set aside for the request's stream, if any."""
         aside = self.set_aside.pop(request_id, None)
         if aside is not None:
-            pool = pool or self._pool
-            assert pool is not None  # a set-aside exists only once on_part has seen the pool
-            pool.free(aside.block_ids)
+            assert self._pool is not None  # a set-aside exists only once on_part has seen the pool
+            self._pool.free(aside.block_ids)
 
     def expire_set_asides(self, now: float | None = None) -> list[str]:
         """Free set-asides whose stream has had no news for SET_ASIDE_IDLE_S (its StreamEnded
         event was lost) and whose transfer has not arrived."""
+        if not self.set_aside:  # every turn of the worker's loop: nothing to walk, most of the time
+            return []
         now = time.monotonic() if now is None else now
         stale = [rid for rid, a in self.set_aside.items()
                  if rid not in self.arrived and now - a.last_at > SET_ASIDE_IDLE_S]
