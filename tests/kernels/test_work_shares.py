@@ -14,12 +14,17 @@ KERNELS_CSRC = Path(__file__).resolve().parents[2] / "kernels" / "csrc"
 
 
 @pytest.fixture(scope="module")
-def testing_ops():
-    """torch.ops.pdserve_cpu_testing, built once (torch caches the build between sessions)."""
+def testing_ops(tmp_path_factory):
+    """torch.ops.pdserve_cpu_testing, built once per test session (about 10 s).
+
+    It builds in this session's own folder, not torch's shared ~/.cache/torch_extensions: a run
+    killed mid-build leaves torch's lock file there, and every later run waited on it forever.
+    """
     from torch.utils import cpp_extension
 
     cpp_extension.load(
         name="pdserve_cpu_testing",
+        build_directory=str(tmp_path_factory.mktemp("torch_extension")),
         sources=[str(CSRC / "stealing_shares.cpp")],
         extra_include_paths=[str(KERNELS_CSRC)],
         extra_cflags=["-O2", "-fopenmp"],  # at::parallel_for is inline OpenMP code
