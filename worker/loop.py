@@ -52,9 +52,10 @@ ROUTES_SWEEP_SECONDS = 1.0  # how often the routes of finished requests are forg
 IDLE_SLEEP_S = 0.0005  # a loop with nothing to run sleeps this long before polling again
 # A loop with no request at all, once it has had none for IDLE_EMPTY_AFTER_S, sleeps longer: at
 # 0.5 ms an idle worker would wake 2,000 times a second, 6-7% of a core each for the two workers
-# of an idle `pdserve up` on 2 cores (their CPU time over 30 idle seconds). The cost is at most
-# IDLE_EMPTY_SLEEP_S more before the first request after a quiet spell is picked up; requests
-# that wait on something outside the loop (KV arriving or held) keep the short sleep.
+# of an idle `pdserve up` on 2 cores (their CPU time over 30 idle seconds). New work costs no wait:
+# the router links and the KV receiver set `Worker.wake` when something lands, and the sleep ends
+# there. What nothing wakes for (a held transfer's ack, a drain) is polled at the next turn, so
+# requests that wait on something outside the loop keep the short sleep.
 IDLE_EMPTY_SLEEP_S = 0.005
 IDLE_EMPTY_AFTER_S = 0.05
 
@@ -99,8 +100,9 @@ class Worker(ABC):
         self.handoff_timings: dict[str, HandoffTiming] = {}
         self._log_failure = RateLimitedLog(log, logging.ERROR, per_seconds=10.0)
         self._stop = threading.Event()
-        # Set by an I/O thread that queued something for the loop (a decode worker's KV): an idle
-        # loop waits on it rather than sleeping, so it picks a transfer up as it arrives.
+        # Set by an I/O thread that queued something for the loop (work from a router, a decode
+        # worker's KV): an idle loop waits on it rather than sleeping, so it picks either up as it
+        # arrives.
         self.wake = threading.Event()
         self._draining = False
         self._last_tick = time.monotonic()
@@ -111,7 +113,7 @@ class Worker(ABC):
                                    worker_metrics(timeline, self.worker_id, self.handoff_metrics))
         self.links = RouterLinks(parse_router_addresses(options.router_address), self._heartbeat,
                                  options.heartbeat_interval, auth=FrameAuth.from_secret(options.secret),
-                                 resolve_interval=options.router_resolve_interval)
+                                 resolve_interval=options.router_resolve_interval, on_inbox=self.wake.set)
         self._started = False
         self._next_sweep = 0.0
         self.spans: NoSpans = NO_SPANS  # request spans (worker/tracing.py), set at start()

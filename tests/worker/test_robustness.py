@@ -211,3 +211,45 @@ def test_an_out_of_vocabulary_output_token_in_a_transfer_is_refused_and_the_othe
     while decode.engine.has_unfinished():
         decode._publish(decode.engine.step())
     assert not errors_of(decode)
+
+
+def test_an_idle_loop_takes_router_work_as_it_lands_not_at_its_next_poll(tiny, monkeypatch):
+    """The router link wakes the engine loop: with the empty loop's sleep stretched to 60 s, a
+    request sent to a worker that has idled into that sleep still streams its tokens at once."""
+    import zmq
+
+    from pdserve.protocol.codec import decode, encode
+    from pdserve.protocol.messages import Register, RegisterAck, TokenEvents
+    from pdserve.worker import loop as worker_loop
+
+    monkeypatch.setattr(worker_loop, "IDLE_EMPTY_SLEEP_S", 60.0)
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.RCVTIMEO, 10_000)
+    router.bind("tcp://127.0.0.1:*")
+    options = WorkerOptions(host="127.0.0.1", kv_port=0, health_port=0, worker_id="w-wake",
+                            router_address=router.getsockopt_string(zmq.LAST_ENDPOINT), heartbeat_interval=120.0)
+    worker = ColocatedWorker.create(options, CFG, loaded=tiny)
+    worker.start()
+    loop = threading.Thread(target=worker.run)
+    try:
+        while not isinstance(decode((frames := router.recv_multipart())[1]), Register):
+            pass
+        router.send_multipart([frames[0], encode(RegisterAck(worker_id="w-wake", accepted=True))])
+        assert worker.links.wait_registered(10)
+        loop.start()
+        time.sleep(IDLE_EMPTY_AFTER_S * 4)  # empty long enough: the loop is in its 60 s sleep now
+        sent = time.monotonic()
+        router.send_multipart([frames[0], encode(GenerateRequest(request_id="r", token_ids=(1, 2, 3), sampling=GREEDY))])
+        tokens = 0
+        while tokens < GREEDY.max_tokens:
+            msg = decode(router.recv_multipart()[1])  # RCVTIMEO: 10 s, far below the 60 s sleep
+            if isinstance(msg, TokenEvents):
+                tokens += sum(len(e.token_ids) for e in msg.events if e.request_id == "r")
+        assert time.monotonic() - sent < 10
+    finally:
+        worker.stop()
+        if loop.is_alive():
+            loop.join(timeout=70)
+        worker.close()
+        router.close()

@@ -213,3 +213,28 @@ def test_a_burst_of_unknown_worker_answers_makes_one_registration_not_a_storm(ra
         assert registers == 1
     finally:
         link.close()
+
+
+def test_link_calls_on_inbox_for_each_thing_it_queues_after_queuing_it(raw_router):
+    sock, address = raw_router
+    seen: list[list] = []
+    link: WorkerLink | None = None
+
+    def on_inbox() -> None:  # on the I/O thread: what it queued is already there to poll
+        assert link is not None
+        seen.append(link.poll())
+
+    link = WorkerLink(address, register(), heartbeat, heartbeat_interval=0.05, on_inbox=on_inbox)
+    link.start()
+    try:
+        ident, _ = recv_until(sock, Register)
+        sock.send_multipart([ident, encode(RegisterAck(worker_id="w0", accepted=True, epoch="E1"))])
+        work = GenerateRequest(request_id="r1", token_ids=(1, 2), sampling=SamplingParams())
+        sock.send_multipart([ident, encode(work)])
+        sock.send_multipart([ident, encode(Abort(request_ids=("r1",)))])
+        deadline = time.monotonic() + 3
+        while len(seen) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [[type(x).__name__ for x in batch] for batch in seen] == [["Fence"], ["GenerateRequest"], ["Abort"]]
+    finally:
+        link.close()
