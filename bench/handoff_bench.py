@@ -16,11 +16,8 @@ model with `python -m pdserve.bench.shapes llama-3.2-1b` (random weights of that
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import random
-import signal
 import statistics
 import subprocess
 import tempfile
@@ -29,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.bench.compare import READY_PATH, stop, wait_ready
 from pdserve.bench.handoff_scrape import handoff_moments, handoff_split
 from pdserve.bench.stage_scrape import metrics_page
 from pdserve.bench.up_process import UpProcess
@@ -66,32 +64,23 @@ def run_mode(model: str, mode: str, args: argparse.Namespace, log_dir: Path) -> 
     return row
 
 
-def run_peer(args: argparse.Namespace) -> dict:
-    """The same prompts on the peer at --peer-url, started by --peer-cmd (and stopped) if given."""
+def run_peer(args: argparse.Namespace, log_dir: Path) -> dict:
+    """The same prompts on the peer at --peer-url, started by --peer-cmd (and stopped) if given: its
+    output goes to `log_dir`/peer.log, and it is waited for as `pdserve bench compare` waits."""
     peer = args.peer_url.rstrip("/")
-    proc = subprocess.Popen(args.peer_cmd, shell=True, start_new_session=True,  # noqa: S602 (the user's command)
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if args.peer_cmd else None
-    try:
-        deadline = time.monotonic() + args.timeout
-        while True:
-            try:
-                served = httpx.get(f"{peer}/v1/models", timeout=5).json()["data"][0]["id"]
-                break
-            except (httpx.HTTPError, ValueError, KeyError, IndexError):
-                if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
-                    raise RuntimeError(f"{args.peer_name} at {peer} did not come up") from None
-                time.sleep(2)
-        print(f"{args.peer_name}: {args.requests} prompts of {args.prompt_tokens} tokens, {served}", flush=True)
-        return measure(peer, served, args.peer_name, args)
-    finally:
-        if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    log_path = log_dir / "peer.log"
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(args.peer_cmd, shell=True, start_new_session=True,  # noqa: S602 (the user's command)
+                                stdout=log_file, stderr=subprocess.STDOUT) if args.peer_cmd else None
+        try:
+            if proc is not None:
+                wait_ready(proc, peer + READY_PATH, args.timeout, log_path)
+            served = httpx.get(f"{peer}/v1/models", timeout=5).json()["data"][0]["id"]
+            print(f"{args.peer_name}: {args.requests} prompts of {args.prompt_tokens} tokens, {served}", flush=True)
+            return measure(peer, served, args.peer_name, args)
+        finally:
+            if proc is not None:
+                stop(proc, 60.0)
 
 
 def measure(base_url: str, model: str, label: str, args: argparse.Namespace,
@@ -161,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
                         "pdserve's runs: its first-to-second token time (colocated, no hand-off)")
     p.add_argument("--peer-cmd", default="",
                    help="the shell command that starts that server: run once pdserve's deployments are gone (a "
-                        "2-core, 24 GiB machine holds one at a time), waited for on GET /v1/models, stopped after")
+                        "2-core, 24 GiB machine holds one at a time), waited for as bench compare waits (/ready, "
+                        "else /health; an error shows its output's tail if it never answers), stopped after")
     p.add_argument("--peer-name", default="peer", help="the peer's name in the table")
     args = p.parse_args(argv)
     rows = []
@@ -169,8 +159,8 @@ def main(argv: list[str] | None = None) -> None:
         for mode in [m for m in args.modes.split(",") if m]:
             print(f"{mode}: {args.requests} prompts of {args.prompt_tokens} tokens, {args.model}", flush=True)
             rows.append(run_mode(args.model, mode, args, Path(tmp)))
-    if args.peer_url:
-        rows.append(run_peer(args))
+        if args.peer_url:
+            rows.append(run_peer(args, Path(tmp)))
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))

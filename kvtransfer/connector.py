@@ -430,7 +430,7 @@ class DecodeConnector(KVConnectorScheduler, KVConnectorWorker):
         aside.loaded[first] = count
         aside.last_at = time.monotonic()
         self.early["parts"] += 1
-        self.early["bytes"] += event.view.numel() * event.view.element_size()
+        self.early["bytes"] += event.view.nbytes
 
     def drop_set_aside(self, request_id: str) -> None:
         """Free the blocks set aside for the request's stream, if any."""

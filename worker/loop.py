@@ -113,7 +113,7 @@ class Worker(ABC):
                                    worker_metrics(timeline, self.worker_id, self.handoff_metrics))
         self.links = RouterLinks(parse_router_addresses(options.router_address), self._heartbeat,
                                  options.heartbeat_interval, auth=FrameAuth.from_secret(options.secret),
-                                 resolve_interval=options.router_resolve_interval, on_inbox=self.wake.set)
+                                 resolve_interval=options.router_resolve_interval, on_ready=self.wake.set)
         self._started = False
         self._next_sweep = 0.0
         self.spans: NoSpans = NO_SPANS  # request spans (worker/tracing.py), set at start()

@@ -86,7 +86,7 @@ class WorkerLink:
         heartbeat_interval: float = 1.0,
         *,
         auth: FrameAuth | None = None,
-        on_inbox: Callable[[], None] | None = None,
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         if not register.incarnation:
             register = msgspec.structs.replace(register, incarnation=secrets.token_hex(8))
@@ -98,7 +98,7 @@ class WorkerLink:
         self.auth = auth or FrameAuth(None)
         # Called on the I/O thread after something lands in the inbox: the engine loop's wake-up,
         # so an idle loop takes new work as it arrives rather than at its next poll.
-        self._on_inbox = on_inbox or (lambda: None)
+        self._on_ready = on_ready or (lambda: None)
         self.bad_messages = 0
         self.rejected = 0  # frames that failed authentication
         self.inbox_dropped = 0
@@ -267,7 +267,7 @@ class WorkerLink:
             self.register = msgspec.structs.replace(self.register, incarnation=secrets.token_hex(8))
             self._inbox.clear()  # work nobody polled yet belongs to the old router too
         self._inbox.append(Fence(reason, epoch))
-        self._on_inbox()
+        self._on_ready()
 
     def _on_epoch(self, epoch: str) -> None:
         """Every router frame that names an epoch: a new one fences (and re-registers)."""
@@ -330,7 +330,7 @@ class WorkerLink:
             self._send(sock, TokenEvents(worker_id=self.worker_id, events=(error,)))
             return
         self._inbox.append(msg)
-        self._on_inbox()
+        self._on_ready()
 
     def _on_ack(self, ack: RegisterAck, sock: zmq.Socket) -> None:
         self._on_epoch(ack.epoch)

@@ -69,10 +69,10 @@ class RouterLinks:
         auth: FrameAuth | None = None,
         resolve_interval: float = 5.0,
         forget_after: float = ROUTER_FORGET_AFTER,
-        on_inbox: Callable[[], None] | None = None,
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         self.addresses = tuple(addresses)
-        self.on_inbox = on_inbox  # each link calls it when work lands (WorkerLink)
+        self.on_ready = on_ready  # each link calls it when work lands (WorkerLink)
         self.heartbeat_fn = heartbeat_fn
         self.heartbeat_interval = heartbeat_interval
         self.auth = auth
@@ -242,7 +242,7 @@ class RouterLinks:
         for ep in sorted(current - set(links)):
             log.info("worker %s: new router %s", self.register.worker_id, ep)
             links[ep] = WorkerLink(ep, self.register, self.heartbeat_fn, self.heartbeat_interval,
-                                   auth=self.auth, on_inbox=self.on_inbox).start()
+                                   auth=self.auth, on_ready=self.on_ready).start()
         self._links = links
         for ep, link in gone.items():
             log.warning("worker %s: router %s has been gone from DNS for %.0f s; closing its link and "

@@ -514,7 +514,7 @@ class ZmqKVReceiver(KVReceiver):
         check_address(address)
         # Called (I/O thread) once a transfer or a part event is queued: the engine's loop waits
         # on it when idle, instead of finding the transfer at its next poll.
-        self._on_ready = on_ready
+        self._on_ready = on_ready or (lambda: None)
         # Part events (poll_parts) only for an engine that polls them: each holds its part's view,
         # so unpolled events would hold memory. Bounded in count and in the bytes they hold.
         self._report_parts = report_parts
@@ -550,7 +550,7 @@ class ZmqKVReceiver(KVReceiver):
 
     def poll_parts(self) -> list[PartArrived | StreamEnded]:
         events = drain(self._part_events, 0.0)
-        held = sum(e.view.numel() * e.view.element_size() for e in events if isinstance(e, PartArrived))
+        held = sum(e.view.nbytes for e in events if isinstance(e, PartArrived))
         if held:
             with self._event_lock:
                 self._event_bytes -= held
@@ -737,7 +737,7 @@ class ZmqKVReceiver(KVReceiver):
             self._held[rid] = rkv
         try:
             self._ready.put_nowait(rkv)
-            self._wake()
+            self._on_ready()
         except queue.Full:  # the engine is not polling: refuse now rather than let the lease run out
             with self._held_lock:
                 self._held.pop(rid, None)
@@ -851,7 +851,7 @@ class ZmqKVReceiver(KVReceiver):
         then load at admission, and the engine's sweep frees what a lost StreamEnded would have)."""
         if not self._report_parts:
             return
-        nbytes = event.view.numel() * event.view.element_size() if isinstance(event, PartArrived) else 0
+        nbytes = event.view.nbytes if isinstance(event, PartArrived) else 0
         with self._event_lock:
             if self._event_bytes + nbytes > self._max_stream_bytes:
                 self._loop.counters["part_events_dropped"] += 1
@@ -864,11 +864,7 @@ class ZmqKVReceiver(KVReceiver):
                 self._event_bytes -= nbytes
             self._loop.counters["part_events_dropped"] += 1
             return
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._on_ready is not None:
-            self._on_ready()
+        self._on_ready()
 
     def _tick(self, now: float) -> float | None:
         for rid, asm in list(self._assemblies.items()):

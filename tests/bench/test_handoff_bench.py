@@ -79,7 +79,7 @@ def test_a_peer_started_by_its_command_is_timed_and_stopped_after(tmp_path):
     args = argparse.Namespace(requests=2, prompt_tokens=10, max_tokens=4, timeout=60.0, seed=1,
                               peer_url=f"http://127.0.0.1:{port}", peer_name="stand-in",
                               peer_cmd=f"echo $$ > {pidfile}; exec {sys.executable} -m tests.bench.test_handoff_bench {port}")
-    row = handoff_bench.run_peer(args)
+    row = handoff_bench.run_peer(args, tmp_path)
     assert row["mode"] == "stand-in" and row["requests"] == 2 and row["gap_p50_ms"] > 0.0
     pid = int(pidfile.read_text())
     with pytest.raises(ProcessLookupError):

@@ -215,16 +215,16 @@ def test_a_burst_of_unknown_worker_answers_makes_one_registration_not_a_storm(ra
         link.close()
 
 
-def test_link_calls_on_inbox_for_each_thing_it_queues_after_queuing_it(raw_router):
+def test_link_calls_on_ready_for_each_thing_it_queues_after_queuing_it(raw_router):
     sock, address = raw_router
     seen: list[list] = []
     link: WorkerLink | None = None
 
-    def on_inbox() -> None:  # on the I/O thread: what it queued is already there to poll
+    def on_ready() -> None:  # on the I/O thread: what it queued is already there to poll
         assert link is not None
         seen.append(link.poll())
 
-    link = WorkerLink(address, register(), heartbeat, heartbeat_interval=0.05, on_inbox=on_inbox)
+    link = WorkerLink(address, register(), heartbeat, heartbeat_interval=0.05, on_ready=on_ready)
     link.start()
     try:
         ident, _ = recv_until(sock, Register)
